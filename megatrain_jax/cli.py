@@ -1,0 +1,112 @@
+"""`megatrain-jax`: train, plan and list configs from the command line.
+
+    megatrain-jax train demo                          # the bundled demo, CPU or GPU
+    megatrain-jax train configs/7b.json loop.steps=10 data.batch_size=16
+    megatrain-jax plan 7b
+    megatrain-jax configs
+
+JAX is imported only after the config is read and checked, so that a bad key fails in a
+moment and the pinned host pool can be sized from the model before the backend starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatrain_jax import plan as planner
+from megatrain_jax.config import ConfigError, load_config, shipped_configs
+
+EPILOG = """\
+CONFIG is a shipped config name (see `megatrain-jax configs`) or a .json/.gin file.
+Overrides are section.key=value, e.g. model.layers=4 optim.lr=1e-4 loop.trainer=reference.
+Sections: model, optim, schedule, data, stream, loop (see README.md for every key).
+"""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:8.2f} GiB"
+
+
+def cmd_train(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if cfg.loop.trainer == "stream":
+        planner.check_fits(cfg)
+        planner.set_pool_env(cfg)
+    import jax
+
+    from megatrain_jax.train import train  # starts JAX
+
+    m = cfg.model
+    print(
+        f"megatrain-jax: {m.num_params / 1e6:,.1f}M params, {m.layers} layers, "
+        f"{cfg.data.tokens_per_step:,} tokens/step, trainer={cfg.loop.trainer}, "
+        f"device={jax.devices()[0].device_kind}, run_dir={cfg.loop.run_dir}",
+        file=sys.stderr,
+    )
+    summary = train(cfg)
+    summary.pop("state")
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    est = planner.estimate(cfg)
+    print(f"{cfg.model.num_params / 1e9:.2f}B parameters, {cfg.model.layers} layers, "
+          f"{cfg.data.tokens_per_step:,} tokens per step, trainer={cfg.loop.trainer}")
+    for where in ("host", "device"):
+        print(f"{where}:")
+        for name, n in est[where].items():
+            print(f"  {name:22s}{_gib(n)}")
+        print(f"  {'total':22s}{_gib(est[where + '_total'])}")
+    have = planner.host_memory_available()
+    if have is not None:
+        verdict = "fits" if est["host_total"] <= have else "does NOT fit"
+        print(f"host memory available: {_gib(have).strip()} -> {verdict}")
+    return 0
+
+
+def cmd_configs(args) -> int:
+    for name, path in shipped_configs().items():
+        cfg = load_config(str(path))
+        m = cfg.model
+        print(f"{name:14s}{m.num_params / 1e9:8.3f}B  layers={m.layers:<3d} hidden={m.hidden:<5d} "
+              f"vocab={m.vocab_size}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatrain-jax",
+        description="Train large language models at full precision on one GPU, with every "
+        "parameter and optimizer state in host memory and layers streamed through the GPU.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, text in (
+        ("train", cmd_train, "train a model (the streaming engine unless loop.trainer=reference)"),
+        ("plan", cmd_plan, "show the host and GPU memory a config needs, without starting JAX"),
+    ):
+        p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("config", help="shipped config name or path to a .json/.gin file")
+        p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("configs", help="list the shipped configs")
+    p.set_defaults(fn=cmd_configs)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"megatrain-jax: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""Configuration: nested frozen dataclasses, loaded from JSON or gin, overridden by `a.b=c`.
+
+    cfg = load_config("configs/demo.json", ["model.layers=4", "loop.steps=50"])
+
+Every value is checked against the field's type and allowed choices before anything is
+allocated; an unknown key names the valid keys. Derived sizes are properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message says which and what would be right."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling. `llama3` is Llama-3.1's band-wise scaling; `linear` divides."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder. `head_dim=0` means hidden // heads."""
+
+    vocab_size: int = 256
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 0
+    ffn: int = 176
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_seq_len: int = 4096
+    compute_dtype: str = "bfloat16"
+    attention: str = "auto"
+    init_std: float = 0.02
+
+    @property
+    def dh(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def params_per_layer(self) -> int:
+        d, dh, h, k, f = self.hidden, self.dh, self.heads, self.kv_heads, self.ffn
+        attn = d * dh * (h + 2 * k) + h * dh * d
+        bias = dh * (h + 2 * k) if self.qkv_bias else 0
+        qk_norm = 2 * dh if self.qk_norm else 0
+        return attn + bias + qk_norm + 3 * d * f + 2 * d
+
+    @property
+    def num_params(self) -> int:
+        embed = self.vocab_size * self.hidden
+        head = self.hidden + (0 if self.tie_embeddings else self.vocab_size * self.hidden)
+        return embed + self.layers * self.params_per_layer + head
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer. Weight decay spares norms and biases; `clip_norm=0` turns clipping off."""
+
+    name: str = "adamw"
+    lr: float = 3e-4
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    momentum: float = 0.9
+    clip_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Learning-rate schedule: linear warmup, then `kind` down to `min_lr_ratio * lr`."""
+
+    kind: str = "cosine"
+    warmup_steps: int = 0
+    decay_steps: int = 0  # 0: until loop.steps
+    min_lr_ratio: float = 0.1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. `source`: `bundled` text, `random` ids, or a token file path."""
+
+    source: str = "bundled"
+    batch_size: int = 8
+    seq_len: int = 128
+    micro_batches: int = 1
+    seed: int = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """The streaming engine: how far ahead weights travel and where saved inputs wait."""
+
+    prefetch_depth: int = 2
+    saved_inputs: str = "device"
+    loss_chunk: int = 1024  # tokens of the sequence per cross-entropy chunk
+    host_memory_gb: float = 0.0  # pinned pool; 0: sized from the model
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The training loop around `train_step`."""
+
+    steps: int = 100
+    trainer: str = "stream"
+    seed: int = 0
+    log_every: int = 10
+    run_dir: str = "runs/latest"
+    progress: str = "auto"
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+
+
+# Fields whose string values come from a fixed set.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.rope_scaling.kind": ("none", "llama3", "linear"),
+    "model.compute_dtype": ("bfloat16", "float32"),
+    "model.attention": ("auto", "xla", "cudnn"),
+    "optim.name": ("adamw", "adam", "lion", "sgd"),
+    "schedule.kind": ("cosine", "linear", "constant"),
+    "stream.saved_inputs": ("device", "pinned_host"),
+    "loop.trainer": ("stream", "reference"),
+    "loop.progress": ("auto", "bar", "plain", "none"),
+}
+
+
+def _suggest(name: str, valid: typing.Iterable[str]) -> str:
+    valid = sorted(valid)
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return f"{hint} Valid keys: {', '.join(valid)}."
+
+
+def _coerce(value: Any, typ: type, key: str) -> Any:
+    """Checks `value` against a primitive field type; ints are accepted where floats are."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            allowed = CHOICES.get(key)
+            if allowed and value not in allowed:
+                raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}.")
+            return value
+    raise ConfigError(f"{key}: expected {typ.__name__}, got {type(value).__name__} {value!r}.")
+
+
+def from_dict(cls: type, values: dict, prefix: str = "") -> Any:
+    """Builds dataclass `cls` from a nested dict, checking every key and type."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ConfigError(f"Unknown config key '{key}'.{_suggest(name, fields)}")
+        typ = hints[name]
+        if dataclasses.is_dataclass(typ):
+            kwargs[name] = from_dict(typ, value, key + ".")
+        else:
+            kwargs[name] = _coerce(value, typ, key)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _parse_literal(text: str) -> Any:
+    """`3` -> 3, `1e-4` -> 1e-4, `true` -> True, anything else stays a string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _set_path(tree: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: '{p}' is a value, not a section.")
+    node[leaf] = value
+
+
+def apply_overrides(values: dict, overrides: typing.Sequence[str]) -> dict:
+    """Applies `a.b=c` strings to a nested dict (types are checked by `from_dict`)."""
+    values = json.loads(json.dumps(values))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"Override '{item}' is not of the form section.key=value.")
+        key, text = item.split("=", 1)
+        _set_path(values, key.strip(), _parse_literal(text.strip()))
+    return values
+
+
+class _GinDelegate:
+    def configurable_reference(self, name, evaluate):
+        raise ConfigError(f"gin references (@{name}) are not supported in megatrain configs.")
+
+    def macro(self, name):
+        raise ConfigError(f"gin macros (%{name}) are not supported in megatrain configs.")
+
+
+def _read_gin(path: Path) -> dict:
+    try:
+        from gin import config_parser
+    except ImportError as e:
+        raise ConfigError(
+            f"{path} is a gin file, but gin-config is not installed. "
+            "Install it with: pip install 'megatrain-jax[gin]'"
+        ) from e
+    values: dict = {}
+    parser = config_parser.ConfigParser(path.read_text(), _GinDelegate())
+    for statement in parser:
+        if isinstance(statement, config_parser.IncludeStatement):
+            for key, value in _flatten(_read_file(path.parent / statement.filename)):
+                _set_path(values, key, value)
+        elif isinstance(statement, config_parser.BindingStatement):
+            if statement.scope:
+                raise ConfigError(f"{path}: gin scopes ({statement.scope}/) are not supported.")
+            _set_path(values, f"{statement.selector}.{statement.arg_name}", statement.value)
+        else:
+            raise ConfigError(f"{path}: unsupported gin statement {statement!r}.")
+    return values
+
+
+def _flatten(values: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in values.items():
+        if isinstance(v, dict):
+            out += _flatten(v, f"{prefix}{k}.")
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def _read_file(path: Path) -> dict:
+    if path.suffix == ".gin":
+        return _read_gin(path)
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    base = values.pop("base", None)
+    if base is not None:  # a config may extend another: {"base": "7b", ...}
+        merged = _read_file(resolve_config_path(base, relative_to=path.parent))
+        for key, value in _flatten(values):
+            _set_path(merged, key, value)
+        values = merged
+    return values
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Named configs shipped with the package: {'tiny': path, 'demo': path, ...}."""
+    try:
+        folder = Path(str(resources.files("megatrain_jax.configs")))
+    except (ModuleNotFoundError, TypeError):
+        folder = Path(__file__).resolve().parent.parent / "configs"
+    if not folder.is_dir():  # a source checkout that was not installed
+        folder = Path(__file__).resolve().parent.parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.json")) + sorted(folder.glob("*.gin"))}
+
+
+def resolve_config_path(name: str, relative_to: Path | None = None) -> Path:
+    for candidate in (Path(name), (relative_to or Path.cwd()) / name):
+        if candidate.is_file():
+            return candidate
+    shipped = shipped_configs()
+    if name in shipped:
+        return shipped[name]
+    raise ConfigError(
+        f"No config file '{name}', and no shipped config of that name. "
+        f"Shipped configs: {', '.join(shipped)}."
+    )
+
+
+def validate(cfg: Config) -> Config:
+    """Checks relations between values that types alone cannot."""
+    m, d, s = cfg.model, cfg.data, cfg.stream
+    checks = [
+        (m.hidden > 0 and m.layers > 0 and m.heads > 0 and m.ffn > 0, "model sizes must be > 0"),
+        (m.kv_heads > 0 and m.heads % m.kv_heads == 0,
+         f"model.heads ({m.heads}) must be a multiple of model.kv_heads ({m.kv_heads})"),
+        (m.head_dim > 0 or m.hidden % m.heads == 0,
+         f"model.hidden ({m.hidden}) is not divisible by model.heads ({m.heads}); "
+         "set model.head_dim"),
+        (m.dh % 2 == 0, f"head dim {m.dh} must be even for rotary embeddings"),
+        (m.vocab_size > 0, "model.vocab_size must be > 0"),
+        (d.batch_size > 0 and d.seq_len > 0, "data.batch_size and data.seq_len must be > 0"),
+        (d.seq_len <= m.max_seq_len,
+         f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"),
+        (d.micro_batches > 0 and d.batch_size % d.micro_batches == 0,
+         f"data.batch_size ({d.batch_size}) must be divisible by data.micro_batches "
+         f"({d.micro_batches})"),
+        (s.prefetch_depth >= 1, "stream.prefetch_depth must be >= 1"),
+        (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),
+        (cfg.loop.steps > 0, "loop.steps must be > 0"),
+        (cfg.optim.lr > 0, "optim.lr must be > 0"),
+        (cfg.optim.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 turns clipping off)"),
+        (0 <= cfg.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio must be within [0, 1]"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message + ".")
+    return cfg
+
+
+def load_config(name_or_path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Reads a shipped name or a file (JSON or gin), applies overrides, validates."""
+    values = _read_file(resolve_config_path(name_or_path)) if name_or_path else {}
+    return validate(from_dict(Config, apply_overrides(values, overrides)))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")

@@ -1,0 +1,283 @@
+"""The streaming engine: host-resident state, one compiled layer template, prefetch and offload.
+
+One training step, for a model of L layers split into `micro_batches` M:
+
+    forward   embed ─► layer 0 ─► … ─► layer L-1 ─► head + loss (value and gradient)
+              while layer i computes, layers i+1 … i+depth are already travelling H2D
+    backward  layer L-1 … 0: recompute from the saved input, VJP, gradient D2H at once
+    update    exact global norm ─► clip scale ─► per-part Optax update on host state
+
+Every layer visit applies one weight load to all M micro-batches (a scan inside the
+compiled template), so weight traffic is per step, not per micro-batch. The templates are
+compiled once whatever L is: layers differ only in the arrays passed in.
+
+    engine = StreamEngine(templates, optimizer, clip_norm=1.0)
+    state = engine.init_state(init_embed, init_layer, init_head, num_layers)
+    state, metrics = engine.train_step(state, batch)
+
+The engine donates host state to the update: after `train_step`, only the returned state
+is valid. Metrics are device scalars; reading them waits for the step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from megatrain_jax import host_store, optim
+from megatrain_jax.host_store import Placement
+
+
+@dataclasses.dataclass(frozen=True)
+class Templates:
+    """What the engine streams: pure functions over per-part pytrees.
+
+    embed(embed_params, batch) -> x
+    layer(layer_params, x, batch) -> x           (x keeps its shape and dtype)
+    head_loss(head_params, embed_params_or_None, x, batch, denom) -> scalar loss
+    `batch` is one micro-batch (a dict of [b, S, ...] arrays). With `tied`, the head also
+    receives the embedding parameters and the gradient of both reaches the embedding.
+    """
+
+    embed: Callable
+    layer: Callable
+    head_loss: Callable
+    tied: bool = False
+
+
+@dataclasses.dataclass
+class StreamState:
+    """Host-resident training state: parameters and Optax state, part by part."""
+
+    params: dict  # {"embed": pytree, "layers": [pytree] * L, "head": pytree}
+    opt_state: dict  # the same parts
+    step: int = 0
+
+
+def _prefetched(items: Iterable, fetch: Callable, depth: int) -> Iterator:
+    """Yields fetch(item) in order, having issued the next `depth` fetches before each yield.
+
+    The caller's compute on the yielded value is dispatched after the later transfers are
+    queued, which is the order in which transfers and compute overlap fully.
+    """
+    pending = collections.deque()
+    items = iter(items)
+    for item in items:
+        pending.append(fetch(item))
+        if len(pending) > depth:
+            yield pending.popleft()
+    while pending:
+        yield pending.popleft()
+
+
+class StreamEngine:
+    def __init__(self, templates: Templates, optimizer: optax.GradientTransformation, *,
+                 clip_norm: float = 1.0, prefetch_depth: int = 2,
+                 saved_inputs: str = "device", micro_batches: int = 1,
+                 learning_rate: Callable | None = None, device: jax.Device | None = None):
+        if saved_inputs not in ("device", "pinned_host"):
+            raise ValueError(
+                f"saved_inputs must be 'device' or 'pinned_host', got {saved_inputs!r}"
+            )
+        if prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        self.t = templates
+        self.opt = optimizer
+        self.clip_norm = clip_norm
+        self.depth = prefetch_depth
+        self.offload_inputs = saved_inputs == "pinned_host"
+        self.micro_batches = micro_batches
+        self.learning_rate = learning_rate
+        self.place = Placement(device)
+        # Called as observer(phase, layer_index) at every layer visit; tests use it to
+        # measure what is resident on the device.
+        self.observer: Callable[[str, int], None] | None = None
+
+        self._embed_fwd = jax.jit(self._embed_fwd_impl)
+        self._layer_fwd = jax.jit(self._layer_fwd_impl)
+        self._head = jax.jit(self._head_impl)
+        self._layer_bwd = jax.jit(self._layer_bwd_impl, donate_argnums=2)
+        self._embed_bwd = jax.jit(self._embed_bwd_impl)
+        self._update = self.place.host_jit(self._update_impl, donate_argnums=(0, 2))
+
+    # ----- templates (compiled once each) -------------------------------------------------
+
+    def _embed_fwd_impl(self, embed_params, batch):
+        return jax.lax.map(lambda mb: self.t.embed(embed_params, mb), batch)  # M b S D
+
+    def _layer_fwd_impl(self, params, xs, batch):
+        return jax.lax.map(lambda args: self.t.layer(params, *args), (xs, batch))
+
+    def _head_impl(self, head_params, embed_params, xs, batch, denom):
+        """Loss, dL/dx for every micro-batch, and the head's (and tied embedding's) grads."""
+        tied = embed_params if self.t.tied else None
+
+        def one(acc, args):
+            x, mb = args
+            loss_fn = lambda h, e, x_: self.t.head_loss(h, e, x_, mb, denom)  # noqa: E731
+            loss, (dh, de, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
+                head_params, tied, x
+            )
+            total, dh_acc, de_acc = acc
+            return (total + loss, _add(dh_acc, dh), _add(de_acc, de)), dx
+
+        zeros = (jnp.zeros((), jnp.float32), _zeros_like(head_params), _zeros_like(tied))
+        (loss, dhead, dembed), dxs = jax.lax.scan(one, zeros, (xs, batch))
+        return loss, dxs, dhead, dembed, optim.sum_of_squares(dhead)
+
+    def _layer_bwd_impl(self, params, xs, dxs, batch, sq):
+        """Recomputes the layer from its saved inputs; returns dL/dx_in, dL/dw, running sq."""
+
+        def one(dw_acc, args):
+            x, dx, mb = args
+            _, vjp = jax.vjp(lambda w, x_: self.t.layer(w, x_, mb), params, x)
+            dw, dx_in = vjp(dx)
+            return _add(dw_acc, dw), dx_in
+
+        dw, dxs_in = jax.lax.scan(one, _zeros_like(params), (xs, dxs, batch))
+        return dxs_in, dw, sq + optim.sum_of_squares(dw)
+
+    def _embed_bwd_impl(self, embed_params, batch, dxs, dembed_from_head, sq):
+        def one(acc, args):
+            mb, dx = args
+            _, vjp = jax.vjp(lambda e: self.t.embed(e, mb), embed_params)
+            return _add(acc, vjp(dx)[0]), None
+
+        start = dembed_from_head if self.t.tied else _zeros_like(embed_params)
+        dembed, _ = jax.lax.scan(one, start, (batch, dxs))
+        sq = sq + optim.sum_of_squares(dembed)
+        skip = ~jnp.isfinite(sq)
+        return dembed, sq, skip, optim.clip_scale(sq, self.clip_norm)
+
+    def _update_impl(self, params, grads, opt_state, scale, skip):
+        return optim.apply_update(self.opt, params, grads, opt_state, scale, skip)
+
+    # ----- state ---------------------------------------------------------------------------
+
+    def init_state(self, init_embed: Callable, init_layer: Callable, init_head: Callable,
+                   num_layers: int) -> StreamState:
+        """Builds parameters part by part into host memory, then the optimizer state."""
+        params = host_store.init_host_params(
+            self.place, init_embed, init_layer, init_head, num_layers
+        )
+        return self.state_from_params(params, copy=False)
+
+    def state_from_params(self, params: dict, copy: bool = True) -> StreamState:
+        """Host state from existing parameters (anywhere), e.g. an imported checkpoint."""
+        if copy:
+            params = host_store.map_parts(self.place.to_host, params)
+        opt_state = host_store.init_host_opt_state(self.place, self.opt, params)
+        return StreamState(params, opt_state, 0)
+
+    # ----- the step ------------------------------------------------------------------------
+
+    def _split(self, batch: dict) -> dict:
+        m = self.micro_batches
+        for name, a in batch.items():
+            if a.shape[0] % m:
+                raise ValueError(
+                    f"batch['{name}'] has {a.shape[0]} rows, not divisible into {m} micro-batches"
+                )
+        return {k: a.reshape(m, a.shape[0] // m, *a.shape[1:]) for k, a in batch.items()}
+
+    def _observe(self, phase: str, index: int) -> None:
+        if self.observer is not None:
+            self.observer(phase, index)
+
+    def forward_backward(self, params: dict, batch: dict):
+        """Streams one step's forward and backward.
+
+        Returns (loss, host gradients in the parts layout, squared global norm, skip, scale).
+        """
+        place, num_layers = self.place, len(params["layers"])
+        batch = place.to_device(self._split(batch))
+        denom = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        embed_params = place.to_device(params["embed"])
+
+        # Forward: layers 0 … L-1, then the head, each prefetched `depth` ahead.
+        stream = list(params["layers"]) + [params["head"]]
+        xs = self._embed_fwd(embed_params, batch)
+        saved = []
+        for i, weights in enumerate(_prefetched(stream, place.to_device, self.depth)):
+            if i == num_layers:
+                head_params = weights
+                break
+            self._observe("forward", i)
+            saved.append(place.to_host(xs) if self.offload_inputs else xs)
+            xs = self._layer_fwd(weights, xs, batch)
+            del weights
+
+        loss, dxs, dhead, dembed_head, sq = self._head(head_params, embed_params, xs, batch,
+                                                       denom)
+        del head_params, xs
+        grads = {"head": place.to_host(dhead), "layers": [None] * num_layers}
+
+        # Backward: layers L-1 … 0, weights and (offloaded) saved inputs prefetched.
+        def fetch(i):
+            return place.to_device((params["layers"][i], saved[i]))
+
+        order = range(num_layers - 1, -1, -1)
+        for i, (weights, x_in) in zip(order, _prefetched(order, fetch, self.depth)):
+            self._observe("backward", i)
+            saved[i] = None  # the device copy now held in x_in is the last one
+            dxs, dw, sq = self._layer_bwd(weights, x_in, dxs, batch, sq)
+            grads["layers"][i] = place.to_host(dw)
+            del weights, x_in, dw
+
+        dembed, sq, skip, scale = self._embed_bwd(embed_params, batch, dxs, dembed_head, sq)
+        grads["embed"] = place.to_host(dembed)
+        return loss, grads, sq, skip, scale
+
+    def train_step(self, state: StreamState, batch: dict) -> tuple[StreamState, dict]:
+        loss, grads, sq, skip, scale = self.forward_backward(state.params, batch)
+        host_scale, host_skip = self.place.to_host((scale, skip))
+        params, opt_state = {}, {}
+        for name in ("head", "layers", "embed"):  # in the order the gradients arrive
+            if name == "layers":
+                pairs = [
+                    self._update(p, g, s, host_scale, host_skip)
+                    for p, g, s in zip(state.params[name], grads[name], state.opt_state[name])
+                ]
+                params[name] = [p for p, _ in pairs]
+                opt_state[name] = [s for _, s in pairs]
+            else:
+                params[name], opt_state[name] = self._update(
+                    state.params[name], grads[name], state.opt_state[name], host_scale, host_skip
+                )
+        metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
+        if self.learning_rate is not None:
+            metrics["lr"] = self.learning_rate(state.step)
+        return StreamState(params, opt_state, state.step + 1), metrics
+
+
+def _add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _zeros_like(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def llama_templates(config) -> Templates:
+    """The built-in Llama-family model as engine templates, from a full `Config`."""
+    from megatrain_jax import model
+
+    cfg, chunk = config.model, config.stream.loss_chunk
+
+    def embed(p, batch):
+        return model.embed(p, batch["inputs"], cfg)
+
+    def layer(p, x, batch):
+        return model.layer(p, x, cfg, batch.get("positions"), batch.get("segment_ids"))
+
+    def head_loss(p, embed_params, x, batch, denom):
+        return model.head_loss(p, embed_params, x, batch["targets"], batch["mask"], cfg,
+                               denom, chunk)
+
+    return Templates(embed, layer, head_loss, tied=cfg.tie_embeddings)
+

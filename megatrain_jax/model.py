@@ -1,0 +1,234 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) as pure functions over pytrees.
+
+A model is three kinds of pytree: `EmbedParams`, one `LayerParams` per transformer layer
+(all of identical structure and shapes, so one compiled template serves every layer), and
+`HeadParams`. Everything derives from `abstract(cfg)`, shapes and dtypes without memory:
+
+    params = init(cfg, jax.random.key(0))         # {"embed", "layers": [...], "head"}
+    x = embed(params["embed"], tokens, cfg)       # B S D
+    for p in params["layers"]:
+        x = layer(p, x, cfg)
+    loss = head_loss(params["head"], params["embed"], x, targets, mask, cfg, denom)
+
+Master parameters are fp32; each function casts to `cfg.compute_dtype` itself. Nothing here
+places memory: that is the host store's and the engine's job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from megatrain_jax import ops
+from megatrain_jax.config import ModelConfig
+
+
+def _pytree(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(cls))
+
+
+@_pytree
+class LayerParams:
+    attn_norm: jax.Array  # D
+    wq: jax.Array  # D, H*E
+    wk: jax.Array  # D, K*E
+    wv: jax.Array  # D, K*E
+    wo: jax.Array  # H*E, D
+    mlp_norm: jax.Array  # D
+    w_gate: jax.Array  # D, F
+    w_up: jax.Array  # D, F
+    w_down: jax.Array  # F, D
+    bq: Optional[jax.Array] = None  # H*E (Qwen2 family)
+    bk: Optional[jax.Array] = None  # K*E
+    bv: Optional[jax.Array] = None  # K*E
+    q_norm: Optional[jax.Array] = None  # E (Qwen3 family)
+    k_norm: Optional[jax.Array] = None  # E
+
+
+@_pytree
+class EmbedParams:
+    table: jax.Array  # V, D
+
+
+@_pytree
+class HeadParams:
+    norm: jax.Array  # D
+    out: Optional[jax.Array] = None  # D, V; None when tied to the embedding table
+
+
+def _spec(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def abstract_layer(cfg: ModelConfig) -> LayerParams:
+    d, e, h, k, f = cfg.hidden, cfg.dh, cfg.heads, cfg.kv_heads, cfg.ffn
+    bias = cfg.qkv_bias
+    return LayerParams(
+        attn_norm=_spec(d), wq=_spec(d, h * e), wk=_spec(d, k * e), wv=_spec(d, k * e),
+        wo=_spec(h * e, d), mlp_norm=_spec(d),
+        w_gate=_spec(d, f), w_up=_spec(d, f), w_down=_spec(f, d),
+        bq=_spec(h * e) if bias else None, bk=_spec(k * e) if bias else None,
+        bv=_spec(k * e) if bias else None,
+        q_norm=_spec(e) if cfg.qk_norm else None, k_norm=_spec(e) if cfg.qk_norm else None,
+    )
+
+
+def abstract_embed(cfg: ModelConfig) -> EmbedParams:
+    return EmbedParams(table=_spec(cfg.vocab_size, cfg.hidden))
+
+
+def abstract_head(cfg: ModelConfig) -> HeadParams:
+    out = None if cfg.tie_embeddings else _spec(cfg.hidden, cfg.vocab_size)
+    return HeadParams(norm=_spec(cfg.hidden), out=out)
+
+
+def abstract(cfg: ModelConfig) -> dict:
+    """Shapes and dtypes of the whole model; allocates nothing."""
+    return {
+        "embed": abstract_embed(cfg),
+        "layers": [abstract_layer(cfg)] * cfg.layers,
+        "head": abstract_head(cfg),
+    }
+
+
+def _init_like(spec_tree, key, std: float, scaled: tuple[str, ...] = (), scale: float = 1.0):
+    """Norm weights start at one, biases at zero, matrices normal(0, std)."""
+    fields = dataclasses.fields(spec_tree)
+    keys = jax.random.split(key, len(fields))
+    values = {}
+    for f, k in zip(fields, keys):
+        spec = getattr(spec_tree, f.name)
+        if spec is None:
+            values[f.name] = None
+        elif f.name.endswith("norm"):
+            values[f.name] = jnp.ones(spec.shape, spec.dtype)
+        elif len(spec.shape) == 1:
+            values[f.name] = jnp.zeros(spec.shape, spec.dtype)
+        else:
+            s = std * (scale if f.name in scaled else 1.0)
+            values[f.name] = s * jax.random.normal(k, spec.shape, spec.dtype)
+    return type(spec_tree)(**values)
+
+
+def init_layer(cfg: ModelConfig, key) -> LayerParams:
+    # Output projections shrink with depth so the residual stream keeps its scale.
+    depth_scale = (2 * cfg.layers) ** -0.5
+    return _init_like(abstract_layer(cfg), key, cfg.init_std, ("wo", "w_down"), depth_scale)
+
+
+def init_embed(cfg: ModelConfig, key) -> EmbedParams:
+    return _init_like(abstract_embed(cfg), key, cfg.init_std)
+
+
+def init_head(cfg: ModelConfig, key) -> HeadParams:
+    return _init_like(abstract_head(cfg), key, cfg.init_std)
+
+
+def layer_key(key, index: int):
+    """The key of layer `index`; the embed and head use indices -1 and -2."""
+    return jax.random.fold_in(key, index + 2)
+
+
+def init(cfg: ModelConfig, key) -> dict:
+    """The whole model at once (for models that fit); the host store inits layer by layer."""
+    return {
+        "embed": init_embed(cfg, layer_key(key, -1)),
+        "layers": [init_layer(cfg, layer_key(key, i)) for i in range(cfg.layers)],
+        "head": init_head(cfg, layer_key(key, -2)),
+    }
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype), tree)
+
+
+def embed(p: EmbedParams, tokens, cfg: ModelConfig):
+    """tokens [B, S] int -> x [B, S, D] in the compute dtype."""
+    return jnp.take(p.table, tokens, axis=0).astype(cfg.compute_dtype)
+
+
+def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None):
+    """One pre-norm transformer layer: x [B, S, D] -> x [B, S, D]."""
+    dtype = jnp.dtype(cfg.compute_dtype)
+    p = _cast(p, dtype)
+    b, s, _ = x.shape
+    e = cfg.dh
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+
+    h = ops.rms_norm(x, p.attn_norm, cfg.norm_eps)
+    q = jnp.einsum("bsd,dn->bsn", h, p.wq)
+    k = jnp.einsum("bsd,dn->bsn", h, p.wk)
+    v = jnp.einsum("bsd,dn->bsn", h, p.wv)
+    if cfg.qkv_bias:
+        q, k, v = q + p.bq, k + p.bk, v + p.bv
+    q = q.reshape(b, s, cfg.heads, e)
+    k = k.reshape(b, s, cfg.kv_heads, e)
+    v = v.reshape(b, s, cfg.kv_heads, e)
+    if cfg.qk_norm:
+        q = ops.rms_norm(q, p.q_norm, cfg.norm_eps)
+        k = ops.rms_norm(k, p.k_norm, cfg.norm_eps)
+    inv_freq = ops.rope_frequencies(e, cfg.rope_theta, cfg.rope_scaling)
+    q = ops.apply_rope(q, positions, inv_freq)
+    k = ops.apply_rope(k, positions, inv_freq)
+    impl = ops.pick_attention(cfg.attention, dtype)
+    attn = ops.attention(q, k, v, impl, segment_ids).reshape(b, s, cfg.heads * e)
+    x = x + jnp.einsum("bsn,nd->bsd", attn, p.wo)
+
+    h = ops.rms_norm(x, p.mlp_norm, cfg.norm_eps)
+    return x + ops.swiglu(h, p.w_gate, p.w_up, p.w_down)
+
+
+def head_out_weight(head: HeadParams, embed_params: EmbedParams | None):
+    """The output projection [D, V]: its own, or the embedding table's transpose when tied."""
+    return head.out if head.out is not None else embed_params.table.T
+
+
+def head_loss(head: HeadParams, embed_params, x, targets, mask, cfg: ModelConfig, denom,
+              chunk: int = 1024):
+    """Mean-over-`denom` masked cross-entropy of x [B, S, D] against targets [B, S].
+
+    Returns sum(mask * ce) / denom, so micro-batch losses and gradients simply add up.
+    """
+    dtype = jnp.dtype(cfg.compute_dtype)
+    h = ops.rms_norm(x, head.norm.astype(dtype), cfg.norm_eps)
+    w = head_out_weight(head, embed_params).astype(dtype)
+    d = h.shape[-1]
+    total = ops.chunked_cross_entropy(
+        h.reshape(-1, d), w, targets.reshape(-1), mask.reshape(-1), chunk
+    )
+    return total / denom
+
+
+def logits(params: dict, tokens, cfg: ModelConfig):
+    """Full logits [B, S, V] in fp32, for evaluation and parity checks on small inputs."""
+    x = embed(params["embed"], tokens, cfg)
+    for p in params["layers"]:
+        x = layer(p, x, cfg)
+    dtype = jnp.dtype(cfg.compute_dtype)
+    h = ops.rms_norm(x, params["head"].norm.astype(dtype), cfg.norm_eps)
+    w = head_out_weight(params["head"], params["embed"]).astype(dtype)
+    return jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
+
+
+def loss(params: dict, batch: dict, cfg: ModelConfig, denom, chunk: int = 1024):
+    """Whole-model loss: the plain, unstreamed twin of the engine's schedule."""
+    x = embed(params["embed"], batch["inputs"], cfg)
+    for p in params["layers"]:
+        x = layer(p, x, cfg, batch.get("positions"), batch.get("segment_ids"))
+    embed_params = params["embed"] if cfg.tie_embeddings else None
+    return head_loss(params["head"], embed_params, x, batch["targets"], batch["mask"], cfg,
+                     denom, chunk)
+
+
+def stack_layers(layers: list):
+    """Per-layer list -> one pytree with a leading layer axis (the nn.scan layout)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def unstack_layers(stacked) -> list:
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]

@@ -1,0 +1,80 @@
+"""The reference trainer: whole-model `jax.grad` + Optax, everything on one device.
+
+It is the oracle every streaming test compares against, and a plain trainer for models that
+fit on the GPU. Gradient accumulation splits the batch into `micro_batches` and sums their
+gradients; the loss of each is normalized by the whole batch's token count, so the sum is the
+large batch's gradient.
+
+    trainer = ReferenceTrainer(cfg)
+    state = trainer.init(jax.random.key(0))
+    state, metrics = trainer.train_step(state, batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from megatrain_jax import model, optim
+from megatrain_jax.config import Config
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["params", "opt_state", "step"],
+         meta_fields=[])
+@dataclasses.dataclass
+class TrainState:
+    params: dict
+    opt_state: object
+    step: jax.Array
+
+
+def split_micro_batches(batch: dict, micro_batches: int) -> dict:
+    """[B, ...] -> [M, B/M, ...] for every array of the batch."""
+    return jax.tree.map(lambda a: a.reshape(micro_batches, -1, *a.shape[1:]), batch)
+
+
+class ReferenceTrainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.opt = optim.build_optimizer(cfg)
+        self.lr = optim.learning_rate(cfg)
+        self.train_step = jax.jit(self._train_step, donate_argnums=0)
+
+    def init(self, key, params: dict | None = None) -> TrainState:
+        params = model.init(self.cfg.model, key) if params is None else params
+        return TrainState(params, self.opt.init(params), jnp.zeros((), jnp.int32))
+
+    def grads(self, params: dict, batch: dict):
+        """(loss, gradients) of the whole batch, accumulated over micro-batches."""
+        cfg = self.cfg
+        denom = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        micro = split_micro_batches(batch, cfg.data.micro_batches)
+        grad_fn = jax.value_and_grad(
+            lambda p, mb: model.loss(p, mb, cfg.model, denom, cfg.stream.loss_chunk)
+        )
+
+        def accumulate(carry, mb):
+            loss, grads = grad_fn(params, mb)
+            total_loss, total_grads = carry
+            return (total_loss + loss, jax.tree.map(jnp.add, total_grads, grads)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), micro)
+        return loss, grads
+
+    def _train_step(self, state: TrainState, batch: dict):
+        loss, grads = self.grads(state.params, batch)
+        sq = optim.sum_of_squares(grads)
+        skip = ~jnp.isfinite(sq)
+        scale = optim.clip_scale(sq, self.cfg.optim.clip_norm)
+        params, opt_state = optim.apply_update(
+            self.opt, state.params, grads, state.opt_state, scale, skip
+        )
+        metrics = {
+            "loss": loss, "grad_norm": jnp.sqrt(sq), "lr": self.lr(state.step),
+            "skipped": skip,
+        }
+        return TrainState(params, opt_state, state.step + 1), metrics

@@ -1,0 +1,119 @@
+"""Training: `make_trainer(cfg)` gives the step, `train(cfg)` runs the loop.
+
+    cfg = load_config("demo")
+    summary = train(cfg)                 # writes RUN_DIR/config.json and metrics.jsonl
+
+Both trainers have `init(key) -> state` and `train_step(state, batch) -> (state, metrics)`:
+`stream` (the default) keeps state on the host and streams layers through the GPU;
+`reference` holds the whole model on the device. The loop is a plain for-loop.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from megatrain_jax import model, optim
+from megatrain_jax.config import Config, save_config
+from megatrain_jax.data import TokenSource
+from megatrain_jax.engine import StreamEngine, llama_templates
+from megatrain_jax.progress import Progress
+from megatrain_jax.reference import ReferenceTrainer
+
+# Dense bf16 peak by device kind, for MFU; unknown devices report no MFU.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12}
+
+
+class StreamTrainer:
+    """The Llama-family model on the streaming engine."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.engine = StreamEngine(
+            llama_templates(cfg), optim.build_optimizer(cfg),
+            clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
+            saved_inputs=cfg.stream.saved_inputs, micro_batches=cfg.data.micro_batches,
+            learning_rate=optim.learning_rate(cfg),
+        )
+        self.train_step = self.engine.train_step
+
+    def init(self, key, params: dict | None = None):
+        if params is not None:
+            return self.engine.state_from_params(params)
+        m = self.cfg.model
+        init_layer = jax.jit(partial(model.init_layer, m))  # compiled once for all layers
+        return self.engine.init_state(
+            lambda: model.init_embed(m, model.layer_key(key, -1)),
+            lambda i: init_layer(model.layer_key(key, i)),
+            lambda: model.init_head(m, model.layer_key(key, -2)),
+            m.layers,
+        )
+
+
+def make_trainer(cfg: Config):
+    return StreamTrainer(cfg) if cfg.loop.trainer == "stream" else ReferenceTrainer(cfg)
+
+
+def peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
+def peak_device_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def host_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def train(cfg: Config, log=None) -> dict:
+    """Runs `cfg.loop.steps` steps; returns a summary (first and last loss, tokens/s, ...)."""
+    run_dir = Path(cfg.loop.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.json")
+    data = TokenSource(cfg)
+    trainer = make_trainer(cfg)
+    state = trainer.init(jax.random.key(cfg.loop.seed))
+    flops_per_token = 6 * cfg.model.num_params
+    peak = peak_flops()
+    bar = Progress(cfg.loop.steps, cfg.loop.progress, plain_every=cfg.loop.log_every)
+    history, skipped = [], 0
+    timer = time.perf_counter()
+    with open(run_dir / "metrics.jsonl", "w") as metrics_file:
+        for step in range(cfg.loop.steps):
+            state, metrics = trainer.train_step(state, data.batch_at(step))
+            last = step + 1 == cfg.loop.steps
+            if (step + 1) % cfg.loop.log_every and not last and step:
+                continue
+            record = {k: float(np.asarray(v)) for k, v in metrics.items()}
+            seconds = time.perf_counter() - timer  # the read above waited for the step
+            steps_done = step + 1 - (history[-1]["step"] if history else 0)
+            tokens_per_s = steps_done * cfg.data.tokens_per_step / seconds
+            skipped += int(record.pop("skipped"))
+            record.update(step=step + 1, skipped_steps=skipped, step_seconds=seconds / steps_done,
+                          tokens_per_s=tokens_per_s, peak_device_bytes=peak_device_bytes(),
+                          host_rss_bytes=host_rss_bytes())
+            if peak:
+                record["mfu"] = flops_per_token * tokens_per_s / peak
+            history.append(record)
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            bar.update(step + 1, {"loss": record["loss"], "tok/s": tokens_per_s})
+            if log:
+                log(record)
+            timer = time.perf_counter()
+    bar.close()
+    return {
+        "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
+        "tokens_per_s": history[-1]["tokens_per_s"], "skipped_steps": skipped,
+        "run_dir": str(run_dir), "state": state,
+    }

@@ -1,0 +1,55 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatrain_jax.cli import main
+
+
+def _run(*args, cwd=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "megatrain_jax.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("trainer", ["stream", "reference"])
+def test_train_tiny_end_to_end(tmp_path, trainer):
+    run_dir = tmp_path / "run"
+    result = _run("train", "tiny", f"loop.run_dir={run_dir}", f"loop.trainer={trainer}")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["skipped_steps"] == 0
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    record = json.loads(lines[-1])
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "skipped_steps", "host_rss_bytes"):
+        assert key in record
+    assert json.loads((run_dir / "config.json").read_text())["loop"]["trainer"] == trainer
+    assert "train 3/3" in result.stderr  # plain progress lines when not on a terminal
+
+
+def test_bad_override_fails_fast_with_the_key():
+    result = _run("train", "tiny", "model.hiden=3")
+    assert result.returncode == 2
+    assert "Unknown config key 'model.hiden'" in result.stderr
+    assert "Did you mean 'hidden'" in result.stderr
+
+
+def test_help_is_useful(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "train" in text and "plan" in text and "section.key=value" in text
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "shipped config name" in capsys.readouterr().out
+
+
+def test_plan_and_configs(capsys):
+    assert main(["plan", "7b"]) == 0
+    out = capsys.readouterr().out
+    assert "6.74B parameters" in out and "master_weights" in out and "optimizer_state" in out
+    assert main(["configs"]) == 0
+    assert "llama3-70b" in capsys.readouterr().out

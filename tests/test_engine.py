@@ -1,0 +1,171 @@
+"""The streaming engine against its twin, the whole-model reference (CPU, fp32)."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import max_rel_error, tiny
+
+from megatrain_jax import model
+from megatrain_jax.data import TokenSource
+from megatrain_jax.host_store import map_parts, memory_kinds
+from megatrain_jax.reference import ReferenceTrainer
+from megatrain_jax.train import StreamTrainer
+
+CASES = {
+    "depth1": ["stream.prefetch_depth=1"],
+    "depth2": ["stream.prefetch_depth=2"],
+    "depth3": ["stream.prefetch_depth=3"],
+    "micro4": ["data.micro_batches=4"],
+    "offloaded_inputs": ["stream.saved_inputs=pinned_host", "data.micro_batches=2"],
+    "tied": ["model.tie_embeddings=true"],
+    "gqa_kv1": ["model.kv_heads=1"],
+    "mha": ["model.kv_heads=4"],
+    "qk_norm": ["model.qk_norm=true"],
+    "qkv_bias": ["model.qkv_bias=true"],
+    "everything": ["model.tie_embeddings=true", "model.qk_norm=true", "model.qkv_bias=true",
+                   "model.kv_heads=1", "data.micro_batches=2", "stream.prefetch_depth=3",
+                   "stream.saved_inputs=pinned_host", "stream.loss_chunk=24"],
+}
+
+
+def _grads_both(cfg, seed=0):
+    params = model.init(cfg.model, jax.random.key(seed))
+    batch = TokenSource(cfg).batch_at(seed)
+    ref_loss, ref_grads = jax.jit(ReferenceTrainer(cfg).grads)(params, batch)
+    engine = StreamTrainer(cfg).engine
+    state = engine.state_from_params(params)
+    loss, grads, sq, _, _ = engine.forward_backward(state.params, batch)
+    return (ref_loss, ref_grads), (loss, grads, sq)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_streamed_gradients_equal_reference(case):
+    cfg = tiny("model.layers=3", "data.batch_size=4", *CASES[case])
+    (ref_loss, ref_grads), (loss, grads, sq) = _grads_both(cfg)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+    assert max_rel_error(grads, ref_grads) <= 1e-5
+    assert memory_kinds(grads) == {"pinned_host"}
+    ref_sq = sum(float(np.sum(np.square(g))) for g in jax.tree.leaves(ref_grads))
+    np.testing.assert_allclose(float(sq), ref_sq, rtol=1e-5)
+
+
+def test_twenty_steps_match_reference_with_clipping():
+    cfg = tiny("model.layers=3", "data.batch_size=4", "data.micro_batches=2", "loop.steps=20",
+               "optim.lr=1e-2", "optim.clip_norm=0.6", "schedule.warmup_steps=3")
+    data = TokenSource(cfg)
+    params = model.init(cfg.model, jax.random.key(0))
+    ref, stream = ReferenceTrainer(cfg), StreamTrainer(cfg)
+    ref_state = ref.init(None, params=params)
+    state = stream.init(None, params=params)
+    ref_losses, losses, norms = [], [], []
+    for step in range(20):
+        batch = data.batch_at(step)
+        ref_state, rm = ref.train_step(ref_state, batch)
+        state, m = stream.train_step(state, batch)
+        ref_losses.append(float(rm["loss"]))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+        np.testing.assert_allclose(float(m["lr"]), float(rm["lr"]), rtol=1e-6)
+    assert any(n > 0.6 for n in norms) and any(n < 0.6 for n in norms), norms  # clip triggers
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert max_rel_error(state.params, ref_state.params) <= 1e-5
+    for moment in ("mu", "nu"):  # the engine keeps Optax state per part, the reference whole
+        streamed = map_parts(lambda s, k=moment: optax.tree_utils.tree_get(s, k),
+                             state.opt_state)
+        whole = optax.tree_utils.tree_get(ref_state.opt_state, moment)
+        assert max_rel_error(streamed, whole) <= 1e-4, moment
+
+
+def test_nan_gradient_skips_exactly_that_step():
+    cfg = tiny("model.layers=2")
+    data = TokenSource(cfg)
+    trainer = StreamTrainer(cfg)
+    state = trainer.init(jax.random.key(0))
+    state, m0 = trainer.train_step(state, data.batch_at(0))
+    assert not bool(m0["skipped"])
+    params_before = jax.tree.map(np.array, state.params)
+    opt_before = jax.tree.map(np.array, state.opt_state)
+    poisoned = data.batch_at(1)
+    poisoned["mask"][1, 3] = np.nan
+    state, m1 = trainer.train_step(state, poisoned)
+    assert bool(m1["skipped"]) and not np.isfinite(float(m1["grad_norm"]))
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params_before)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(opt_before)):
+        np.testing.assert_array_equal(a, b)
+    state, m2 = trainer.train_step(state, data.batch_at(2))
+    assert not bool(m2["skipped"]) and np.isfinite(float(m2["loss"]))
+    changed = [not np.array_equal(a, b)
+               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params_before))]
+    assert all(changed)
+
+
+def test_host_state_is_pinned_after_init_and_step():
+    cfg = tiny("model.tie_embeddings=true", "model.qkv_bias=true")
+    trainer = StreamTrainer(cfg)
+    state = trainer.init(jax.random.key(0))
+    assert memory_kinds((state.params, state.opt_state)) == {"pinned_host"}
+    state, _ = trainer.train_step(state, TokenSource(cfg).batch_at(0))
+    assert memory_kinds((state.params, state.opt_state)) == {"pinned_host"}
+
+
+def _compilations(num_layers):
+    events = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        # distinct widths, so that no cache from another test can serve these shapes
+        cfg = tiny(f"model.layers={num_layers}", "model.hidden=40", "model.ffn=72")
+        trainer = StreamTrainer(cfg)
+        state = trainer.init(jax.random.key(0))
+        data = TokenSource(cfg)
+        before = len(events)
+        for step in range(2):
+            state, metrics = trainer.train_step(state, data.batch_at(step))
+        float(metrics["loss"])
+        return len(events) - before
+    finally:
+        jax.monitoring.clear_event_listeners()
+
+
+def test_compile_count_does_not_depend_on_depth():
+    shallow = _compilations(2)
+    deep = _compilations(8)
+    assert shallow == deep
+    # embed/layer/head forward, layer/embed backward, and three part shapes of the update,
+    # plus a handful of small eager ops; but nothing per layer.
+    assert deep < 8 + 10
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_device_residency_is_bounded(depth):
+    """Layer-shaped arrays on the device never exceed (depth + 2) weights + (depth + 2) grads."""
+
+    def peak(num_layers):
+        cfg = tiny(f"model.layers={num_layers}", "model.hidden=48", "model.ffn=80",
+                   f"stream.prefetch_depth={depth}")
+        trainer = StreamTrainer(cfg)
+        state = trainer.init(jax.random.key(0))
+        shape = state.params["layers"][0].w_gate.shape
+        seen = []
+
+        def observe(phase, index):
+            seen.append(sum(
+                1 for a in jax.live_arrays()
+                if a.shape == shape and a.sharding.memory_kind == "device" and not a.is_deleted()
+            ))
+
+        trainer.engine.observer = observe
+        state, metrics = trainer.train_step(state, TokenSource(cfg).batch_at(0))
+        float(metrics["loss"])
+        return max(seen)
+
+    shallow, deep = peak(depth + 3), peak(12)
+    assert deep <= 2 * (depth + 2)
+    assert deep == shallow  # does not grow with the number of layers

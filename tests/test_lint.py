@@ -1,0 +1,16 @@
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.fail("ruff is not installed: pip install '.[test]'")
+    result = subprocess.run([ruff, "check", "megatrain_jax", "tests", "benchmarks"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -13,7 +13,6 @@ import difflib
 import json
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -295,14 +294,16 @@ def _read_file(path: Path) -> dict:
 
 
 def shipped_configs() -> dict[str, Path]:
-    """Named configs shipped with the package: {'tiny': path, 'demo': path, ...}."""
-    try:
-        folder = Path(str(resources.files("megatrain_jax.configs")))
-    except (ModuleNotFoundError, TypeError):
-        folder = Path(__file__).resolve().parent.parent / "configs"
-    if not folder.is_dir():  # a source checkout that was not installed
-        folder = Path(__file__).resolve().parent.parent / "configs"
-    return {p.stem: p for p in sorted(folder.glob("*.json")) + sorted(folder.glob("*.gin"))}
+    """Named configs shipped with the package: {'tiny': path, 'demo': path, ...}.
+
+    Installed, they sit in `megatrain_jax/configs`; in a source checkout, in `configs/`
+    beside the package.
+    """
+    here = Path(__file__).resolve().parent
+    for folder in (here / "configs", here.parent / "configs"):
+        if folder.is_dir():
+            return {p.stem: p for p in sorted(folder.glob("*.json")) + sorted(folder.glob("*.gin"))}
+    return {}
 
 
 def resolve_config_path(name: str, relative_to: Path | None = None) -> Path:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Callable, Iterable, Iterator
 
 import jax
@@ -97,6 +98,11 @@ class StreamEngine:
         # Called as observer(phase, layer_index) at every layer visit; tests use it to
         # measure what is resident on the device.
         self.observer: Callable[[str, int], None] | None = None
+        # With measure_phases, a step waits at the end of each phase and records its seconds
+        # in phase_seconds (forward, backward, update). This serializes the phases, so it is
+        # for the benchmarks' time split, not for training.
+        self.measure_phases = False
+        self.phase_seconds: dict[str, float] = {}
 
         self._embed_fwd = jax.jit(self._embed_fwd_impl)
         self._layer_fwd = jax.jit(self._layer_fwd_impl)
@@ -189,12 +195,20 @@ class StreamEngine:
         if self.observer is not None:
             self.observer(phase, index)
 
+    def _phase_done(self, phase: str, outputs) -> None:
+        if self.measure_phases:
+            jax.block_until_ready(outputs)
+            now = time.perf_counter()
+            self.phase_seconds[phase] = now - self._phase_start
+            self._phase_start = now
+
     def forward_backward(self, params: dict, batch: dict):
         """Streams one step's forward and backward.
 
         Returns (loss, host gradients in the parts layout, squared global norm, skip, scale).
         """
         place, num_layers = self.place, len(params["layers"])
+        self._phase_start = time.perf_counter()
         batch = place.to_device(self._split(batch))
         denom = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         embed_params = place.to_device(params["embed"])
@@ -214,6 +228,7 @@ class StreamEngine:
 
         loss, dxs, dhead, dembed_head, sq = self._head(head_params, embed_params, xs, batch,
                                                        denom)
+        self._phase_done("forward", dxs)
         del head_params, xs
         grads = {"head": place.to_host(dhead), "layers": [None] * num_layers}
 
@@ -231,6 +246,7 @@ class StreamEngine:
 
         dembed, sq, skip, scale = self._embed_bwd(embed_params, batch, dxs, dembed_head, sq)
         grads["embed"] = place.to_host(dembed)
+        self._phase_done("backward", grads)
         return loss, grads, sq, skip, scale
 
     def train_step(self, state: StreamState, batch: dict) -> tuple[StreamState, dict]:
@@ -249,6 +265,7 @@ class StreamEngine:
                 params[name], opt_state[name] = self._update(
                     state.params[name], grads[name], state.opt_state[name], host_scale, host_skip
                 )
+        self._phase_done("update", (params, opt_state))
         metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
         if self.learning_rate is not None:
             metrics["lr"] = self.learning_rate(state.step)

@@ -1,0 +1,104 @@
+"""Times training steps of a config and prints one JSON object (BENCHMARKS.md's fields).
+
+    python benchmarks/bench_step.py 7b --steps 6 --warmup 2 [--repeat-batch] [key=value ...]
+
+tokens/s is the median over the timed steps; each step is timed to the moment its loss is
+on the host. `--phases N` adds N steps that wait at the end of each phase (forward, backward,
+update) to split the time; they are reported apart and never mixed into tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatrain_jax import plan  # noqa: E402  (no JAX yet: the pool is sized first)
+from megatrain_jax.config import load_config, to_dict  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--phases", type=int, default=0)
+    parser.add_argument("--repeat-batch", action="store_true",
+                        help="train on one batch again and again (the loss must fall)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    cfg = load_config(args.config, args.overrides)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    plan.set_pool_env(cfg)
+
+    import jax
+    import numpy as np
+
+    from megatrain_jax.data import TokenSource
+    from megatrain_jax.host_store import memory_kinds
+    from megatrain_jax.train import host_rss_bytes, make_trainer, peak_device_bytes, peak_flops
+
+    data = TokenSource(cfg)
+    trainer = make_trainer(cfg)
+    t0 = time.perf_counter()
+    state = trainer.init(jax.random.key(cfg.loop.seed))
+    jax.block_until_ready(state)
+    init_seconds = time.perf_counter() - t0
+
+    times, losses, norms = [], [], []
+    for step in range(args.warmup + args.steps):
+        batch = data.batch_at(0 if args.repeat_batch else step)
+        t0 = time.perf_counter()
+        state, metrics = trainer.train_step(state, batch)
+        loss = float(np.asarray(metrics["loss"]))
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        norms.append(float(np.asarray(metrics["grad_norm"])))
+
+    phases = []
+    engine = getattr(trainer, "engine", None)
+    if engine is not None and args.phases:
+        engine.measure_phases = True
+        for step in range(args.phases):
+            state, metrics = trainer.train_step(state, data.batch_at(step))
+            phases.append(dict(engine.phase_seconds))
+        engine.measure_phases = False
+
+    timed = times[args.warmup:]
+    step_s = statistics.median(timed)
+    tokens_per_s = cfg.data.tokens_per_step / step_s
+    p = cfg.model.num_params
+    model_flops = 6 * p * tokens_per_s
+    peak = peak_flops()
+    host_kinds = memory_kinds((state.params, state.opt_state)) if engine else set()
+    rss = host_rss_bytes()
+    result = {
+        "config": args.config, "overrides": args.overrides, "trainer": cfg.loop.trainer,
+        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "params": p, "tokens_per_step": cfg.data.tokens_per_step,
+        "tokens_per_s": tokens_per_s, "median_step_s": step_s, "step_s": times,
+        "model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
+        "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
+        "peak_host_rss_gib": rss / 2**30, "host_bytes_per_param": rss / p,
+        "init_s": init_seconds, "losses": losses, "grad_norms": norms,
+        "host_state_memory_kinds": sorted(host_kinds),
+        "phase_seconds_synced": phases,
+        "pinned_pool_gb": os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"),
+        "config_values": to_dict(cfg),
+    }
+    text = json.dumps(result)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--repeat-batch", action="store_true",
                         help="train on one batch again and again (the loss must fall)")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
 
     cfg = load_config(args.config, args.overrides)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

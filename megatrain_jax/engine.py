@@ -43,12 +43,14 @@ class Templates:
     head_loss(head_params, embed_params_or_None, x, batch, denom) -> scalar loss
     `batch` is one micro-batch (a dict of [b, S, ...] arrays). With `tied`, the head also
     receives the embedding parameters and the gradient of both reaches the embedding.
+    `normalizer(batch) -> denom` sees the whole batch; the default is the sum of its mask.
     """
 
     embed: Callable
     layer: Callable
     head_loss: Callable
     tied: bool = False
+    normalizer: Callable | None = None
 
 
 @dataclasses.dataclass
@@ -209,8 +211,10 @@ class StreamEngine:
         """
         place, num_layers = self.place, len(params["layers"])
         self._phase_start = time.perf_counter()
-        batch = place.to_device(self._split(batch))
-        denom = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        batch = place.to_device(batch)
+        normalizer = self.t.normalizer or (lambda b: jnp.sum(b["mask"]))
+        denom = jnp.maximum(normalizer(batch), 1.0)
+        batch = self._split(batch)
         embed_params = place.to_device(params["embed"])
 
         # Forward: layers 0 … L-1, then the head, each prefetched `depth` ahead.

@@ -157,7 +157,7 @@ def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None)
     b, s, _ = x.shape
     e = cfg.dh
     if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+        positions = jax.lax.broadcasted_iota(jnp.int32, (b, s), 1)
 
     h = ops.rms_norm(x, p.attn_norm, cfg.norm_eps)
     q = jnp.einsum("bsd,dn->bsn", h, p.wq)

@@ -23,7 +23,9 @@ def rms_norm(x, weight, eps: float):
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling):
     """Inverse frequencies [E/2], with Llama-3.1-style band scaling when asked."""
-    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    # iota, not arange: an op in the trace rather than a constant captured by it
+    steps = jax.lax.iota(jnp.float32, head_dim // 2) * 2
+    inv = 1.0 / (theta ** (steps / head_dim))
     if scaling.kind == "linear":
         return inv / scaling.factor
     if scaling.kind != "llama3":

@@ -11,6 +11,6 @@ def test_ruff_is_clean():
     ruff = shutil.which("ruff")
     if ruff is None:
         pytest.fail("ruff is not installed: pip install '.[test]'")
-    result = subprocess.run([ruff, "check", "megatrain_jax", "tests", "benchmarks"], cwd=ROOT,
-                            capture_output=True, text=True)
+    folders = ["megatrain_jax", "tests", "benchmarks", "examples"]
+    result = subprocess.run([ruff, "check", *folders], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -221,12 +221,13 @@ class StreamEngine:
         stream = list(params["layers"]) + [params["head"]]
         xs = self._embed_fwd(embed_params, batch)
         saved = []
+        offloads = _InFlight(self.depth)
         for i, weights in enumerate(_prefetched(stream, place.to_device, self.depth)):
             if i == num_layers:
                 head_params = weights
                 break
             self._observe("forward", i)
-            saved.append(place.to_host(xs) if self.offload_inputs else xs)
+            saved.append(offloads.add(place.to_host(xs)) if self.offload_inputs else xs)
             xs = self._layer_fwd(weights, xs, batch)
             del weights
 
@@ -241,11 +242,12 @@ class StreamEngine:
             return place.to_device((params["layers"][i], saved[i]))
 
         order = range(num_layers - 1, -1, -1)
+        offloads = _InFlight(self.depth)
         for i, (weights, x_in) in zip(order, _prefetched(order, fetch, self.depth)):
             self._observe("backward", i)
             saved[i] = None  # the device copy now held in x_in is the last one
             dxs, dw, sq = self._layer_bwd(weights, x_in, dxs, batch, sq)
-            grads["layers"][i] = place.to_host(dw)
+            grads["layers"][i] = offloads.add(place.to_host(dw))
             del weights, x_in, dw
 
         dembed, sq, skip, scale = self._embed_bwd(embed_params, batch, dxs, dembed_head, sq)
@@ -274,6 +276,25 @@ class StreamEngine:
         if self.learning_rate is not None:
             metrics["lr"] = self.learning_rate(state.step)
         return StreamState(params, opt_state, state.step + 1), metrics
+
+
+class _InFlight:
+    """Bounds device -> host copies in flight: a device buffer lives until its copy is done.
+
+    Without a bound, the copies of a whole pass can queue behind each other while their
+    device buffers pile up; waiting on the copy issued `limit` items earlier keeps GPU memory
+    flat and, while the link keeps pace, costs nothing (the GPU still has queued work).
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.pending = collections.deque()
+
+    def add(self, host_tree):
+        self.pending.append(host_tree)
+        if len(self.pending) > self.limit:
+            jax.block_until_ready(self.pending.popleft())
+        return host_tree
 
 
 def _add(a, b):

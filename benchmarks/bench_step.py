@@ -10,7 +10,6 @@ update) to split the time; they are reported apart and never mixed into tokens/s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -18,6 +17,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit  # noqa: E402
 
 from megatrain_jax import plan  # noqa: E402  (no JAX yet: the pool is sized first)
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
@@ -94,10 +96,7 @@ def main() -> None:
         "pinned_pool_gb": os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"),
         "config_values": to_dict(cfg),
     }
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

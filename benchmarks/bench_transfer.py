@@ -10,13 +10,15 @@ and the achieved time come from the same machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit  # noqa: E402
 
 
 def _median_seconds(fn, repeats: int = 5) -> float:
@@ -82,10 +84,7 @@ def main() -> None:
         "update_params": count, "update_gparams_per_s": count / upd / 1e9,
         "update_kind": "engine host_jit (state streamed through the device)",
     }
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

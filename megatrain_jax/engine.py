@@ -258,19 +258,12 @@ class StreamEngine:
     def train_step(self, state: StreamState, batch: dict) -> tuple[StreamState, dict]:
         loss, grads, sq, skip, scale = self.forward_backward(state.params, batch)
         host_scale, host_skip = self.place.to_host((scale, skip))
-        params, opt_state = {}, {}
-        for name in ("head", "layers", "embed"):  # in the order the gradients arrive
-            if name == "layers":
-                pairs = [
-                    self._update(p, g, s, host_scale, host_skip)
-                    for p, g, s in zip(state.params[name], grads[name], state.opt_state[name])
-                ]
-                params[name] = [p for p, _ in pairs]
-                opt_state[name] = [s for _, s in pairs]
-            else:
-                params[name], opt_state[name] = self._update(
-                    state.params[name], grads[name], state.opt_state[name], host_scale, host_skip
-                )
+        pairs = host_store.map_parts(
+            lambda p, g, s: self._update(p, g, s, host_scale, host_skip),
+            state.params, grads, state.opt_state,
+        )
+        params = host_store.map_parts(lambda pair: pair[0], pairs)
+        opt_state = host_store.map_parts(lambda pair: pair[1], pairs)
         self._phase_done("update", (params, opt_state))
         metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
         if self.learning_rate is not None:

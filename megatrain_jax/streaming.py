@@ -25,6 +25,7 @@ function instead of trained), is refused with a message that says which.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Callable, Sequence
 
 import jax
@@ -118,6 +119,7 @@ def from_functions(embed: Callable, layer: Callable, head_loss: Callable, params
         x = jax.eval_shape(embed, params["embed"], example_batch)
         check_no_captured_arrays(layer3, params["layers"][0], x, example_batch, name="layer")
         check_no_captured_arrays(embed, params["embed"], example_batch, name="embed function")
+        check_no_captured_arrays(head_loss, params["head"], x, example_batch, name="head loss")
     engine = StreamEngine(templates, optimizer, clip_norm=clip_norm,
                           prefetch_depth=prefetch_depth, saved_inputs=saved_inputs,
                           micro_batches=micro_batches)
@@ -126,8 +128,6 @@ def from_functions(embed: Callable, layer: Callable, head_loss: Callable, params
 
 def _with_batch(layer: Callable) -> Callable:
     """Accepts layer(p, x) or layer(p, x, batch); the engine always passes the batch."""
-    import inspect
-
     try:
         takes_batch = len(inspect.signature(layer).parameters) >= 3
     except (TypeError, ValueError):

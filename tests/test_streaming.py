@@ -163,6 +163,20 @@ def test_template_closing_over_arrays_is_refused():
         )
 
 
+def test_head_closing_over_arrays_is_refused():
+    hidden_out = jnp.ones((4, 1))  # the output matrix closed over instead of passed in
+    params = {"embed": {"w": jnp.ones((2, 4))}, "layers": [{"b": jnp.zeros(4)}] * 2,
+              "head": {"bias": jnp.zeros(1)}}
+    batch = {"inputs": jnp.ones((3, 2)), "y": jnp.ones((3, 1))}
+    with pytest.raises(streaming.TemplateError, match=r"head loss closes over arrays"):
+        streaming.from_functions(
+            embed=lambda p, b: b["inputs"] @ p["w"],
+            layer=lambda p, x: x + p["b"],
+            head_loss=lambda p, x, b: jnp.sum((x @ hidden_out + p["bias"] - b["y"]) ** 2),
+            params=params, optimizer=optax.sgd(0.1), example_batch=batch,
+        )
+
+
 @pytest.mark.parametrize("name", ["nnx_streaming", "linen_streaming", "custom_loop"])
 def test_examples_run_and_learn(name):
     env = dict(os.environ, JAX_PLATFORMS="cpu",

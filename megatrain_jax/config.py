@@ -120,6 +120,7 @@ class StreamConfig:
     saved_inputs: str = "device"
     loss_chunk: int = 1024  # tokens of the sequence per cross-entropy chunk
     host_memory_gb: float = 0.0  # pinned pool; 0: sized from the model
+    update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("adamw", "adam", "lion", "sgd"),
     "schedule.kind": ("cosine", "linear", "constant"),
     "stream.saved_inputs": ("device", "pinned_host"),
+    "stream.update": ("auto", "host", "device"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),
 }
@@ -339,6 +341,9 @@ def validate(cfg: Config) -> Config:
          f"({d.micro_batches})"),
         (s.prefetch_depth >= 1, "stream.prefetch_depth must be >= 1"),
         (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),
+        (s.update != "host" or cfg.optim.name in ("adamw", "adam"),
+         f"stream.update=host has kernels for optim.name adamw and adam, not "
+         f"'{cfg.optim.name}'; use stream.update=device (any Optax transformation) or auto"),
         (cfg.loop.steps > 0, "loop.steps must be > 0"),
         (cfg.optim.lr > 0, "optim.lr must be > 0"),
         (cfg.optim.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 turns clipping off)"),

@@ -5,7 +5,13 @@ One training step, for a model of L layers split into `micro_batches` M:
     forward   embed ─► layer 0 ─► … ─► layer L-1 ─► head + loss (value and gradient)
               while layer i computes, layers i+1 … i+depth are already travelling H2D
     backward  layer L-1 … 0: recompute from the saved input, VJP, gradient D2H at once
-    update    exact global norm ─► clip scale ─► per-part Optax update on host state
+    update    exact global norm ─► clip scale ─► per-part optimizer update of host state
+
+The update has two homes. With a `HostAdamW` optimizer it runs on a host thread, in place on
+the pinned buffers, part by part in streaming order, while the GPU already runs the next
+step: the next forward waits for a part's update only when it fetches that part. With any
+other Optax transformation it runs as one compiled program per part that streams the state
+through the device, at the end of the step.
 
 Every layer visit applies one weight load to all M micro-batches (a scan inside the
 compiled template), so weight traffic is per step, not per micro-batch. The templates are
@@ -15,14 +21,17 @@ compiled once whatever L is: layers differ only in the arrays passed in.
     state = engine.init_state(init_embed, init_layer, init_head, num_layers)
     state, metrics = engine.train_step(state, batch)
 
-The engine donates host state to the update: after `train_step`, only the returned state
-is valid. Metrics are device scalars; reading them waits for the step.
+The engine updates host state in place (or donates it): after `train_step`, only the
+returned state is valid, and its host update may still be running: `state.wait()` waits
+for it (the next `train_step` waits by itself). Metrics are device scalars; reading them
+waits for the step.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -31,6 +40,7 @@ import jax.numpy as jnp
 import optax
 
 from megatrain_jax import host_store, optim
+from megatrain_jax.host_optim import HostAdamW
 from megatrain_jax.host_store import Placement
 
 
@@ -53,13 +63,61 @@ class Templates:
     normalizer: Callable | None = None
 
 
-@dataclasses.dataclass
 class StreamState:
-    """Host-resident training state: parameters and Optax state, part by part."""
+    """Host-resident training state: parameters and Optax state, part by part.
 
-    params: dict  # {"embed": pytree, "layers": [pytree] * L, "head": pytree}
-    opt_state: dict  # the same parts
-    step: int = 0
+    `params` and `opt_state` are {"embed": pytree, "layers": [pytree] * L, "head": pytree}.
+    After a step with the host optimizer, their update may still be running: reading
+    `params` or `opt_state` waits for it, so a reader never sees a half-updated model.
+    """
+
+    def __init__(self, params: dict, opt_state: dict, step: int = 0,
+                 pending: "_PendingUpdate | None" = None):
+        self._params, self._opt_state, self.step, self.pending = params, opt_state, step, pending
+
+    @property
+    def params(self) -> dict:
+        return self.wait()._params
+
+    @property
+    def opt_state(self) -> dict:
+        return self.wait()._opt_state
+
+    def wait(self) -> "StreamState":
+        """Waits until the last step's host update has written params and opt_state."""
+        if self.pending is not None:
+            self.pending.wait()
+        return self
+
+    def __repr__(self) -> str:
+        return f"StreamState(step={self.step}, layers={len(self._params['layers'])})"
+
+
+class _PendingUpdate:
+    """A step's host-side update, running part by part (streaming order) on a thread."""
+
+    def __init__(self, work: list[Callable[[], None]]):
+        self.done = [threading.Event() for _ in work]
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(work,), daemon=True,
+                                       name="megatrain-host-update")
+        self.thread.start()
+
+    def _run(self, work) -> None:
+        for fn, done in zip(work, self.done):
+            try:
+                if self.error is None:
+                    fn()
+            except BaseException as e:  # surfaced in the caller's thread by wait()
+                self.error = e
+            finally:
+                done.set()
+
+    def wait(self, part: int = -1) -> None:
+        """Waits for part `part` (0 embed, 1..L layers, L+1 head; -1 all)."""
+        self.done[part].wait()
+        if self.error is not None:
+            raise RuntimeError("the host optimizer update failed") from self.error
 
 
 def _prefetched(items: Iterable, fetch: Callable, depth: int) -> Iterator:
@@ -79,7 +137,8 @@ def _prefetched(items: Iterable, fetch: Callable, depth: int) -> Iterator:
 
 
 class StreamEngine:
-    def __init__(self, templates: Templates, optimizer: optax.GradientTransformation, *,
+    def __init__(self, templates: Templates,
+                 optimizer: optax.GradientTransformation | HostAdamW, *,
                  clip_norm: float = 1.0, prefetch_depth: int = 2,
                  saved_inputs: str = "device", micro_batches: int = 1,
                  learning_rate: Callable | None = None, device: jax.Device | None = None):
@@ -90,7 +149,9 @@ class StreamEngine:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.t = templates
-        self.opt = optimizer
+        # A HostAdamW updates in place on the host; any other transformation on the device.
+        self.host_opt = optimizer if isinstance(optimizer, HostAdamW) else None
+        self.opt = optimizer.optax if self.host_opt else optimizer
         self.clip_norm = clip_norm
         self.depth = prefetch_depth
         self.offload_inputs = saved_inputs == "pinned_host"
@@ -204,25 +265,34 @@ class StreamEngine:
             self.phase_seconds[phase] = now - self._phase_start
             self._phase_start = now
 
-    def forward_backward(self, params: dict, batch: dict):
+    def forward_backward(self, params: dict, batch: dict,
+                         ready: Callable[[int], None] | None = None):
         """Streams one step's forward and backward.
 
+        `ready(k)` is called before part k (0 embed, 1..L layers, L+1 head) is first fetched:
+        the hook through which the forward waits for the previous step's host update.
         Returns (loss, host gradients in the parts layout, squared global norm, skip, scale).
         """
         place, num_layers = self.place, len(params["layers"])
+        ready = ready or (lambda k: None)
+
+        def fetch_part(k_tree):
+            ready(k_tree[0])
+            return place.to_device(k_tree[1])
+
         self._phase_start = time.perf_counter()
         batch = place.to_device(batch)
         normalizer = self.t.normalizer or (lambda b: jnp.sum(b["mask"]))
         denom = jnp.maximum(normalizer(batch), 1.0)
         batch = self._split(batch)
-        embed_params = place.to_device(params["embed"])
+        embed_params = fetch_part((0, params["embed"]))
 
         # Forward: layers 0 … L-1, then the head, each prefetched `depth` ahead.
-        stream = list(params["layers"]) + [params["head"]]
+        stream = enumerate(list(params["layers"]) + [params["head"]], start=1)
         xs = self._embed_fwd(embed_params, batch)
         saved = []
         offloads = _InFlight(self.depth)
-        for i, weights in enumerate(_prefetched(stream, place.to_device, self.depth)):
+        for i, weights in enumerate(_prefetched(stream, fetch_part, self.depth)):
             if i == num_layers:
                 head_params = weights
                 break
@@ -256,7 +326,42 @@ class StreamEngine:
         return loss, grads, sq, skip, scale
 
     def train_step(self, state: StreamState, batch: dict) -> tuple[StreamState, dict]:
-        loss, grads, sq, skip, scale = self.forward_backward(state.params, batch)
+        ready = state.pending.wait if state.pending is not None else None
+        # The forward waits for each part's pending update just before fetching it.
+        loss, grads, sq, skip, scale = self.forward_backward(state._params, batch, ready)
+        state.wait()
+        metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
+        if self.learning_rate is not None:
+            metrics["lr"] = self.learning_rate(state.step)
+        if self.host_opt is not None:
+            new_state = self._host_update(state, grads, skip, scale)
+        else:
+            new_state = self._device_update(state, grads, skip, scale)
+        return new_state, metrics
+
+    def _host_update(self, state, grads, skip, scale) -> StreamState:
+        """Starts the in-place host update on a thread; a skipped step starts nothing.
+
+        Waiting for `skip` waits for the backward pass, which is also what makes the
+        in-place writes safe: every transfer that read the old parameters has completed.
+        """
+        pending = None
+        if not bool(skip):
+            scale = float(scale)
+            work = [
+                (lambda p=p, g=g, s=s: self.host_opt.update(p, g, s, scale))
+                for (_, p), (_, g), (_, s) in zip(host_store.parts(state._params),
+                                                  host_store.parts(grads),
+                                                  host_store.parts(state._opt_state))
+            ]
+            pending = _PendingUpdate(work)
+        new_state = StreamState(state._params, state._opt_state, state.step + 1, pending)
+        if self.measure_phases:
+            new_state.wait()
+            self._phase_done("update", None)
+        return new_state
+
+    def _device_update(self, state, grads, skip, scale) -> StreamState:
         host_scale, host_skip = self.place.to_host((scale, skip))
         pairs = host_store.map_parts(
             lambda p, g, s: self._update(p, g, s, host_scale, host_skip),
@@ -265,10 +370,7 @@ class StreamEngine:
         params = host_store.map_parts(lambda pair: pair[0], pairs)
         opt_state = host_store.map_parts(lambda pair: pair[1], pairs)
         self._phase_done("update", (params, opt_state))
-        metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
-        if self.learning_rate is not None:
-            metrics["lr"] = self.learning_rate(state.step)
-        return StreamState(params, opt_state, state.step + 1), metrics
+        return StreamState(params, opt_state, state.step + 1)
 
 
 class _InFlight:

@@ -49,6 +49,25 @@ def build_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.sgd(lr, momentum=o.momentum or None)
 
 
+HOST_OPTIMIZERS = ("adamw", "adam")
+
+
+def build_stream_optimizer(cfg: Config):
+    """The optimizer for the streaming engine, placed by `stream.update`.
+
+    `host`: AdamW/Adam in place on the host, overlapping the next step (HostAdamW);
+    `device`: the Optax transformation compiled over host state streamed through the GPU;
+    `auto`: host where the optimizer has a host kernel, else device.
+    """
+    from megatrain_jax.host_optim import HostAdamW
+
+    where, o = cfg.stream.update, cfg.optim  # validate() refused host without a kernel
+    if where == "device" or o.name not in HOST_OPTIMIZERS:
+        return build_optimizer(cfg)
+    wd = o.weight_decay if o.name == "adamw" else 0.0
+    return HostAdamW(learning_rate(cfg), o.b1, o.b2, o.eps, weight_decay=wd, mask=decay_mask)
+
+
 def sum_of_squares(tree):
     """fp32 sum of squares over every leaf: the pieces of a global norm."""
     return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))

@@ -35,7 +35,7 @@ class StreamTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.engine = StreamEngine(
-            llama_templates(cfg), optim.build_optimizer(cfg),
+            llama_templates(cfg), optim.build_stream_optimizer(cfg),
             clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
             saved_inputs=cfg.stream.saved_inputs, micro_batches=cfg.data.micro_batches,
             learning_rate=optim.learning_rate(cfg),

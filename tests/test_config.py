@@ -89,11 +89,12 @@ def test_shipped_shapes_match_published_sizes():
         ("data.micro_batches=3", "divisible by data.micro_batches"),
         ("model.hidden", "not of the form section.key=value"),
         ("model.rope_scaling=2", "expected a mapping"),
+        ("optim.name=sgd stream.update=host", "use stream.update=device"),
     ],
 )
 def test_clear_errors(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config("tiny", [override])
+        load_config("tiny", override.split())
 
 
 def test_missing_config_names_shipped_ones():

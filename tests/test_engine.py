@@ -1,5 +1,7 @@
 """The streaming engine against its twin, the whole-model reference (CPU, fp32)."""
 
+import time
+
 import jax
 import numpy as np
 import optax
@@ -51,9 +53,16 @@ def test_streamed_gradients_equal_reference(case):
     np.testing.assert_allclose(float(sq), ref_sq, rtol=1e-5)
 
 
-def test_twenty_steps_match_reference_with_clipping():
+UPDATES = {"host": ["stream.update=host"], "device": ["stream.update=device"],
+           "host_adam": ["stream.update=host", "optim.name=adam"],
+           "device_lion": ["stream.update=auto", "optim.name=lion"]}
+
+
+@pytest.mark.parametrize("update", sorted(UPDATES))
+def test_twenty_steps_match_reference_with_clipping(update):
     cfg = tiny("model.layers=3", "data.batch_size=4", "data.micro_batches=2", "loop.steps=20",
-               "optim.lr=1e-2", "optim.clip_norm=0.6", "schedule.warmup_steps=3")
+               "optim.lr=1e-2", "optim.clip_norm=0.6", "schedule.warmup_steps=3",
+               *UPDATES[update])
     data = TokenSource(cfg)
     params = model.init(cfg.model, jax.random.key(0))
     ref, stream = ReferenceTrainer(cfg), StreamTrainer(cfg)
@@ -71,6 +80,10 @@ def test_twenty_steps_match_reference_with_clipping():
     assert any(n > 0.6 for n in norms) and any(n < 0.6 for n in norms), norms  # clip triggers
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert max_rel_error(state.params, ref_state.params) <= 1e-5
+    host = update.startswith("host")
+    assert (stream.engine.host_opt is not None) == host
+    if update == "device_lion":
+        return  # lion keeps one moment
     for moment in ("mu", "nu"):  # the engine keeps Optax state per part, the reference whole
         streamed = map_parts(lambda s, k=moment: optax.tree_utils.tree_get(s, k),
                              state.opt_state)
@@ -78,8 +91,9 @@ def test_twenty_steps_match_reference_with_clipping():
         assert max_rel_error(streamed, whole) <= 1e-4, moment
 
 
-def test_nan_gradient_skips_exactly_that_step():
-    cfg = tiny("model.layers=2")
+@pytest.mark.parametrize("update", ["host", "device"])
+def test_nan_gradient_skips_exactly_that_step(update):
+    cfg = tiny("model.layers=2", f"stream.update={update}")
     data = TokenSource(cfg)
     trainer = StreamTrainer(cfg)
     state = trainer.init(jax.random.key(0))
@@ -102,8 +116,9 @@ def test_nan_gradient_skips_exactly_that_step():
     assert all(changed)
 
 
-def test_host_state_is_pinned_after_init_and_step():
-    cfg = tiny("model.tie_embeddings=true", "model.qkv_bias=true")
+@pytest.mark.parametrize("update", ["host", "device"])
+def test_host_state_is_pinned_after_init_and_step(update):
+    cfg = tiny("model.tie_embeddings=true", "model.qkv_bias=true", f"stream.update={update}")
     trainer = StreamTrainer(cfg)
     state = trainer.init(jax.random.key(0))
     assert memory_kinds((state.params, state.opt_state)) == {"pinned_host"}
@@ -169,3 +184,30 @@ def test_device_residency_is_bounded(depth):
     shallow, deep = peak(depth + 3), peak(12)
     assert deep <= 2 * (depth + 2)
     assert deep == shallow  # does not grow with the number of layers
+
+
+def test_host_update_overlaps_the_next_forward():
+    """The next step's forward starts while the host still updates the last layers."""
+    cfg = tiny("model.layers=6", "stream.update=host", "stream.prefetch_depth=1")
+    trainer = StreamTrainer(cfg)
+    engine, log = trainer.engine, []
+    update = engine.host_opt.update
+
+    def slow_update(params, grads, opt_state, scale):
+        time.sleep(0.05)
+        update(params, grads, opt_state, scale)
+        log.append("update")
+
+    engine.host_opt.update = slow_update
+    engine.observer = lambda phase, i: log.append(f"{phase} {i}")
+    data = TokenSource(cfg)
+    state = trainer.init(jax.random.key(0))
+    state, _ = trainer.train_step(state, data.batch_at(0))
+    assert state.pending is not None and not state.pending.done[-1].is_set()
+    del log[:]
+    state, _ = trainer.train_step(state, data.batch_at(1))
+    first_forward = log.index("forward 0")
+    assert log[first_forward:].count("update") >= 3, log  # head and last layers still pending
+    # ... and the forward never runs ahead of the update of the layer it computes
+    for i in range(cfg.model.layers):
+        assert log[:log.index(f"forward {i}")].count("update") >= i + 2, (i, log)

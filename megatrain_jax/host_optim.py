@@ -1,0 +1,158 @@
+"""AdamW on the host, in place on the pinned buffers of the host store.
+
+The streaming engine keeps every parameter and optimizer state in `pinned_host` arrays. An
+update compiled by XLA reads them through the device and writes new buffers back; this one
+instead writes the new values into the same host memory, so it costs one pass over the
+bytes and no transfer, and it runs on a worker thread while the GPU computes.
+
+    opt = HostAdamW(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=decay_mask)
+    opt_state = opt.optax.init(params)      # the very state `optax.adamw` keeps
+    opt.update(params, grads, opt_state, scale=0.5)   # params and opt_state change in place
+
+The arithmetic is `optax.adamw`'s, in fp32, leaf by leaf, and so is the state layout, so a
+checkpoint or a reference run cannot tell the two apart. The kernel is a fused numba loop
+when numba is installed (the `fast` extra) and chunked NumPy on a thread pool otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import jax
+import numpy as np
+import optax
+
+_CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.int32): ctypes.c_int32}
+
+
+def writable(array: jax.Array) -> np.ndarray:
+    """A writable NumPy view of a host-resident JAX array's buffer (no copy).
+
+    JAX arrays are immutable to JAX; the engine owns the host store and writes into it
+    only where no computation or transfer can be reading the buffer.
+    """
+    kind, platform = array.sharding.memory_kind, next(iter(array.devices())).platform
+    if kind != "pinned_host" and platform != "cpu":
+        raise ValueError(f"host updates need pinned_host arrays, got memory kind {kind!r}")
+    array.block_until_ready()
+    dtype = np.dtype(array.dtype)
+    if dtype not in _CTYPES:
+        raise TypeError(f"host updates support float32 and int32 leaves, not {dtype}")
+    size = max(int(np.prod(array.shape)), 1)
+    raw = (_CTYPES[dtype] * size).from_address(array.unsafe_buffer_pointer())
+    return np.ctypeslib.as_array(raw).reshape(-1)
+
+
+# ----- kernels: p, g, mu, nu are flat fp32 views; every scalar is an np.float32 ----------
+
+def _adamw_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd,
+                 pool: ThreadPoolExecutor, chunk: int = 1 << 15):
+    """Chunked so the temporaries of each chunk stay in cache; chunks shared by threads."""
+
+    def run(start: int):
+        stop = min(start + chunk, p.size)
+        ps, gs, ms, vs = p[start:stop], g[start:stop], mu[start:stop], nu[start:stop]
+        t1, t2 = np.multiply(gs, scale), np.empty_like(gs)
+        np.multiply(t1, omb1, out=t2)
+        np.multiply(ms, b1, out=ms)
+        np.add(t2, ms, out=ms)                    # mu = (1-b1) g + b1 mu
+        np.multiply(t1, t1, out=t1)
+        np.multiply(t1, omb2, out=t1)
+        np.multiply(vs, b2, out=vs)
+        np.add(t1, vs, out=vs)                    # nu = (1-b2) g^2 + b2 nu
+        np.divide(ms, bc1, out=t1)
+        np.divide(vs, bc2, out=t2)
+        np.sqrt(t2, out=t2)
+        np.add(t2, eps, out=t2)
+        np.divide(t1, t2, out=t1)                 # mu_hat / (sqrt(nu_hat) + eps)
+        if wd:
+            np.multiply(ps, wd, out=t2)
+            np.add(t1, t2, out=t1)
+        np.multiply(t1, neg_lr, out=t1)
+        np.add(ps, t1, out=ps)
+
+    list(pool.map(run, range(0, p.size, chunk)))
+
+
+def _numba_kernel() -> Callable | None:
+    try:
+        import numba
+    except ImportError:
+        return None
+
+    @numba.njit(parallel=True, nogil=True, fastmath=False, cache=True)
+    def adamw(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd):
+        for i in numba.prange(p.size):
+            gi = g[i] * scale
+            m = omb1 * gi + b1 * mu[i]
+            v = omb2 * (gi * gi) + b2 * nu[i]
+            mu[i] = m
+            nu[i] = v
+            u = (m / bc1) / (np.sqrt(v / bc2) + eps)
+            if wd != 0:
+                u = u + wd * p[i]
+            p[i] = p[i] + neg_lr * u
+
+    return adamw
+
+
+class HostAdamW:
+    """`optax.adamw` (or `adam` with `weight_decay=0`) as an in-place host update.
+
+    kernel: "auto" (numba when installed, else numpy), "numba" or "numpy".
+    """
+
+    def __init__(self, learning_rate: Callable | float, b1: float = 0.9, b2: float = 0.999,
+                 eps: float = 1e-8, weight_decay: float = 0.0, mask: Callable | None = None,
+                 kernel: str = "auto", threads: int | None = None):
+        if not callable(learning_rate):
+            learning_rate = optax.constant_schedule(learning_rate)
+        self.learning_rate = learning_rate
+        self.b1, self.b2, self.eps, self.weight_decay = b1, b2, eps, weight_decay
+        self.mask = mask
+        numba_kernel = _numba_kernel() if kernel in ("auto", "numba") else None
+        if kernel == "numba" and numba_kernel is None:
+            raise ImportError("kernel='numba' needs numba: pip install 'megatrain-jax[fast]'")
+        if kernel not in ("auto", "numba", "numpy"):
+            raise ValueError(f"kernel must be 'auto', 'numba' or 'numpy', got {kernel!r}")
+        self._numba = numba_kernel
+        self.kernel = "numba" if numba_kernel else "numpy"
+        self._pool = None if numba_kernel else ThreadPoolExecutor(threads or os.cpu_count())
+        self._lr_cache: tuple[int, np.float32] | None = None
+        if weight_decay:
+            self.optax = optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay,
+                                     mask=mask)
+        else:
+            self.optax = optax.adam(learning_rate, b1, b2, eps)
+
+    def _lr(self, count: int) -> np.float32:
+        if self._lr_cache is None or self._lr_cache[0] != count:
+            self._lr_cache = (count, np.float32(self.learning_rate(count)))
+        return self._lr_cache[1]
+
+    def update(self, params, grads, opt_state, scale: float) -> None:
+        """One AdamW step with gradients multiplied by `scale`, written into params/opt_state."""
+        adam, schedule = opt_state[0], opt_state[-1]
+        counts = writable(adam.count), writable(schedule.count)
+        step = int(counts[1][0])
+        f = np.float32
+        b1, b2 = f(self.b1), f(self.b2)
+        t = int(counts[0][0]) + 1
+        args = (f(scale), b1, f(1 - self.b1), b2, f(1 - self.b2), f(self.eps),
+                f(1) - b1 ** f(t), f(1) - b2 ** f(t), -self._lr(step))
+        decays = (jax.tree.leaves(self.mask(params)) if self.mask and self.weight_decay
+                  else [bool(self.weight_decay)] * len(jax.tree.leaves(params)))
+        leaves = zip(jax.tree.leaves(params), jax.tree.leaves(grads),
+                     jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu), decays)
+        for p, g, mu, nu, decay in leaves:
+            wd = f(self.weight_decay if decay else 0.0)
+            views = (writable(p), writable(g), writable(mu), writable(nu))
+            if self._numba is not None:
+                self._numba(*views, *args, wd)
+            else:
+                _adamw_numpy(*views, *args, wd, pool=self._pool)
+        counts[0][0] = min(t, np.iinfo(np.int32).max)
+        counts[1][0] = min(step + 1, np.iinfo(np.int32).max)

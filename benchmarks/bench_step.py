@@ -1,15 +1,21 @@
 """Times training steps of a config and prints one JSON object (BENCHMARKS.md's fields).
 
     python benchmarks/bench_step.py 7b --steps 6 --warmup 2 [--repeat-batch] [key=value ...]
+    python benchmarks/bench_step.py 7b --sweep 4,8,16,32,64     # batch sizes, one model
 
 tokens/s is the median over the timed steps; each step is timed to the moment its loss is
 on the host. `--phases N` adds N steps that wait at the end of each phase (forward, backward,
 update) to split the time; they are reported apart and never mixed into tokens/s.
+The roofline inputs (H2D and D2H bandwidth, one layer's forward and backward, the head, the
+optimizer's rate) are measured in the same process, after the timed steps, and the JSON
+carries the bound and the ratio achieved / bound (megatrain_jax/roofline.py).
+With `--sweep`, the output is a JSON list, one object per batch size.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -34,27 +40,45 @@ def main() -> None:
     parser.add_argument("--phases", type=int, default=0)
     parser.add_argument("--repeat-batch", action="store_true",
                         help="train on one batch again and again (the loss must fall)")
+    parser.add_argument("--sweep", type=str, default="",
+                        help="comma-separated batch sizes to run on one initialized model")
+    parser.add_argument("--no-roofline", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_intermixed_args()
 
     cfg = load_config(args.config, args.overrides)
+    sizes = [int(b) for b in args.sweep.split(",") if b] or [cfg.data.batch_size]
+    cfg = load_config(args.config, [*args.overrides, f"data.batch_size={max(sizes)}"])
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     plan.set_pool_env(cfg)
 
+    import jax
+
+    from megatrain_jax.train import make_trainer
+
+    trainer = make_trainer(cfg)
+    t0 = time.perf_counter()
+    state = trainer.init(jax.random.key(cfg.loop.seed))
+    jax.block_until_ready(state.params if hasattr(state, "wait") else state)
+    init_seconds = time.perf_counter() - t0
+    results = []
+    for size in sizes:
+        run_cfg = load_config(args.config, [*args.overrides, f"data.batch_size={size}"])
+        state, result = run(run_cfg, trainer, state, args)
+        result["init_s"] = init_seconds
+        results.append(result)
+    emit(results if args.sweep else results[0], args.out)
+
+
+def run(cfg, trainer, state, args):
     import jax
     import numpy as np
 
     from megatrain_jax.data import TokenSource
     from megatrain_jax.host_store import memory_kinds
-    from megatrain_jax.train import host_rss_bytes, make_trainer, peak_device_bytes, peak_flops
+    from megatrain_jax.train import host_rss_bytes, peak_device_bytes, peak_flops
 
     data = TokenSource(cfg)
-    trainer = make_trainer(cfg)
-    t0 = time.perf_counter()
-    state = trainer.init(jax.random.key(cfg.loop.seed))
-    jax.block_until_ready(state)
-    init_seconds = time.perf_counter() - t0
-
     times, losses, norms = [], [], []
     for step in range(args.warmup + args.steps):
         batch = data.batch_at(0 if args.repeat_batch else step)
@@ -82,6 +106,15 @@ def main() -> None:
     peak = peak_flops()
     host_kinds = memory_kinds((state.params, state.opt_state)) if engine else set()
     rss = host_rss_bytes()
+    roofline = {}
+    if engine is not None and not args.no_roofline:
+        roofline = measure_roofline(cfg, engine, state, data.batch_at(0))
+        roofline["ratio"] = step_s / roofline["step_s"]
+        roofline["ratio_to_ideal"] = step_s / roofline["ideal_s"]
+        for phase in phases:  # the synced phases' time beyond compute: waits on transfers
+            phase["forward_wait"] = max(phase["forward"] - roofline["compute_forward_s"], 0.0)
+            phase["backward_wait"] = max(phase["backward"] - roofline["compute_backward_s"],
+                                         0.0)
     result = {
         "config": args.config, "overrides": args.overrides, "trainer": cfg.loop.trainer,
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
@@ -90,13 +123,87 @@ def main() -> None:
         "model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
         "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
         "peak_host_rss_gib": rss / 2**30, "host_bytes_per_param": rss / p,
-        "init_s": init_seconds, "losses": losses, "grad_norms": norms,
+        "losses": losses, "grad_norms": norms,
+        "update": "host" if getattr(engine, "host_opt", None) else "device",
+        "host_kernel": getattr(getattr(engine, "host_opt", None), "kernel", None),
+        "roofline": roofline,
         "host_state_memory_kinds": sorted(host_kinds),
         "phase_seconds_synced": phases,
         "pinned_pool_gb": os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"),
         "config_values": to_dict(cfg),
     }
-    emit(result, args.out)
+    return state, result
+
+
+def _median_seconds(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_roofline(cfg, engine, state, batch) -> dict:
+    """The roofline's rates, measured on this model's own layers and templates."""
+    import jax
+    import jax.numpy as jnp
+
+    from megatrain_jax import roofline
+
+    place, block = engine.place, jax.block_until_ready
+    params = state.params
+    layers = params["layers"][: min(4, len(params["layers"]))]
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(layers))
+    h2d = _median_seconds(lambda: block(place.to_device(layers)))
+    on_device = block(place.to_device(layers))
+    d2h = _median_seconds(lambda: block(place.to_host(on_device)))
+
+    weights, embed, head = on_device[0], *place.to_device((params["embed"], params["head"]))
+    b = engine._split(place.to_device(batch))
+    denom = jnp.maximum(jnp.sum(b["mask"]), 1.0)
+    xs = block(engine._embed_fwd(embed, b))
+    zero = jnp.zeros((), jnp.float32)
+    forward = _median_seconds(lambda: block(engine._layer_fwd(weights, xs, b)))
+    backward = _median_seconds(
+        lambda: block(engine._layer_bwd(weights, xs, jnp.ones_like(xs), b, zero)))
+
+    def head_and_embed():
+        x = engine._embed_fwd(embed, b)
+        _, dxs, _, dembed, sq = engine._head(head, embed, x, b, denom)
+        block(engine._embed_bwd(embed, b, dxs, dembed, sq))
+
+    head_s = _median_seconds(head_and_embed)
+    del on_device, weights, xs
+    rate = _optimizer_rate(engine)
+    rates = roofline.Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s,
+                           rate, overlapped_update=engine.host_opt is not None)
+    return {**dataclasses.asdict(rates), **roofline.bound(cfg.model, rates)}
+
+
+def _optimizer_rate(engine, mparams: int = 64) -> float:
+    """G params/s of the engine's update on 64M fp32 parameters held in pinned host memory."""
+    import jax
+    import jax.numpy as jnp
+
+    place = engine.place
+    n = mparams * 2**20
+    params = place.to_host({"w": jnp.full((n // 2**12, 2**12), 0.01, jnp.float32)})
+    grads = place.to_host({"w": jnp.full((n // 2**12, 2**12), 1e-3, jnp.float32)})
+    state = place.host_jit(engine.opt.init)(params)
+    if engine.host_opt is not None:
+        seconds = _median_seconds(lambda: engine.host_opt.update(params, grads, state, 1.0))
+    else:
+        scale, skip = place.to_host((jnp.float32(1.0), jnp.bool_(False)))
+        box = [params, state]
+
+        def update():
+            box[:] = engine._update(box[0], grads, box[1], scale, skip)
+            jax.block_until_ready(box)
+
+        seconds = _median_seconds(update)
+    return n / seconds / 1e9
 
 
 if __name__ == "__main__":

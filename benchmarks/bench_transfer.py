@@ -1,5 +1,7 @@
 """Measures the roofline's inputs: H2D, D2H and both-at-once bandwidth through the memory
-kinds, and the rate of the engine's optimizer update on a layer-sized pytree.
+kinds, and the rates of the optimizer updates on a layer-sized pytree: the Optax update
+streamed through the device (stream.update=device) and the in-place host AdamW with each
+kernel (stream.update=host).
 
     python benchmarks/bench_transfer.py [--gib 2] [--update-mparams 256] [--out FILE]
 
@@ -77,12 +79,28 @@ def main() -> None:
 
     upd = _median_seconds(run_update)
     count = 4 * m
+    params = box["p"]  # the originals were donated to the update
+    del box, state
+
+    from megatrain_jax.host_optim import HostAdamW
+
+    host_rates = {}
+    for kernel in ("numba", "numpy"):
+        try:
+            host = HostAdamW(1e-4, weight_decay=0.01, mask=optim.decay_mask, kernel=kernel)
+        except ImportError:
+            continue
+        host_state = place.host_jit(host.optax.init)(params)
+        seconds = _median_seconds(lambda: host.update(params, grads, host_state, 1.0))
+        host_rates[kernel] = count / seconds / 1e9
+        del host_state
     result = {
         "device": jax.devices()[0].device_kind, "bytes": nbytes, "chunks": args.chunks,
         "h2d_gbps": nbytes / h2d / 1e9, "d2h_gbps": nbytes / d2h / 1e9,
         "bidirectional_total_gbps": 2 * nbytes / both / 1e9,
         "update_params": count, "update_gparams_per_s": count / upd / 1e9,
         "update_kind": "engine host_jit (state streamed through the device)",
+        "host_update_gparams_per_s": host_rates,
     }
     emit(result, args.out)
 

@@ -19,19 +19,11 @@ for item in "${items[@]}"; do
   timeout 400 python3 benchmarks/bench_step.py $name $rest --out "$OUT/step_$tag.json" > "$OUT/step_$tag.log" 2>&1 \
     || { echo "FAILED: $name"; grep -v '^W' "$OUT/step_$tag.log" | tail -25; }
 done
-python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-t = out / "transfer.json"
-if t.exists():
-    r = json.loads(t.read_text())
-    print(f"transfer: H2D {r['h2d_gbps']:.1f} GB/s  D2H {r['d2h_gbps']:.1f}  both {r['bidirectional_total_gbps']:.1f}  update {r['update_gparams_per_s']:.2f} Gparam/s")
-print(f"{'run':28s} {'tok/s':>8s} {'step s':>7s} {'TFLOP/s':>8s} {'MFU':>6s} {'GPU GiB':>8s} {'host B/p':>8s}  losses / phases")
-for f in sorted(out.glob("step_*.json")):
-    r = json.loads(f.read_text())
-    ph = r["phase_seconds_synced"][-1] if r["phase_seconds_synced"] else {}
-    print(f"{f.stem[5:33]:28s} {r['tokens_per_s']:8.0f} {r['median_step_s']:7.3f} {r['model_tflops']:8.1f} "
-          f"{(r['mfu'] or 0):6.3f} {r['peak_device_gib']:8.2f} {r['host_bytes_per_param']:8.1f}  "
-          f"{r['losses'][0]:.3f}->{r['losses'][-1]:.3f} {r['host_state_memory_kinds']} "
-          + " ".join(f"{k}={v:.2f}" for k, v in ph.items()))
-PY
+# Peers in the same call: PEERS="3b|..." shapes for PyTorch FSDP2 + CPUOffloadPolicy.
+IFS='|' read -ra peers <<< "${PEERS:-}"
+for shape in "${peers[@]}"; do
+  echo "== peer fsdp2 $shape"
+  timeout 400 python3 benchmarks/peers/fsdp2_offload.py $shape --out "$OUT/peer_fsdp2_$shape.json" > "$OUT/peer_fsdp2_$shape.log" 2>&1 \
+    || { echo "FAILED: peer $shape"; grep -v '^W' "$OUT/peer_fsdp2_$shape.log" | tail -25; }
+done
+python3 benchmarks/summarize.py "$OUT"

@@ -175,7 +175,6 @@ def measure_roofline(cfg, engine, state, batch) -> dict:
         block(engine._embed_bwd(embed, b, dxs, dembed, sq))
 
     head_s = _median_seconds(head_and_embed)
-    del on_device, weights, xs
     rate = _optimizer_rate(engine)
     rates = roofline.Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s,
                            rate, overlapped_update=engine.host_opt is not None)

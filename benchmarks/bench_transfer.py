@@ -33,6 +33,20 @@ def _median_seconds(fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def _host_update_rate(place, kernel, params, grads) -> float | None:
+    """G params/s of the in-place host AdamW with one kernel (None: kernel not installed)."""
+    from megatrain_jax import optim
+    from megatrain_jax.host_optim import HostAdamW
+
+    try:
+        host = HostAdamW(1e-4, weight_decay=0.01, mask=optim.decay_mask, kernel=kernel)
+    except ImportError:
+        return None
+    state = place.host_jit(host.optax.init)(params)
+    seconds = _median_seconds(lambda: host.update(params, grads, state, 1.0))
+    return sum(a.size for a in params.values()) / seconds / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0)
@@ -80,20 +94,8 @@ def main() -> None:
     upd = _median_seconds(run_update)
     count = 4 * m
     params = box["p"]  # the originals were donated to the update
-    del box, state
-
-    from megatrain_jax.host_optim import HostAdamW
-
-    host_rates = {}
-    for kernel in ("numba", "numpy"):
-        try:
-            host = HostAdamW(1e-4, weight_decay=0.01, mask=optim.decay_mask, kernel=kernel)
-        except ImportError:
-            continue
-        host_state = place.host_jit(host.optax.init)(params)
-        seconds = _median_seconds(lambda: host.update(params, grads, host_state, 1.0))
-        host_rates[kernel] = count / seconds / 1e9
-        del host_state
+    box.clear()
+    host_rates = {k: _host_update_rate(place, k, params, grads) for k in ("numba", "numpy")}
     result = {
         "device": jax.devices()[0].device_kind, "bytes": nbytes, "chunks": args.chunks,
         "h2d_gbps": nbytes / h2d / 1e9, "d2h_gbps": nbytes / d2h / 1e9,

@@ -19,7 +19,8 @@ def main(out: Path) -> None:
     transfer = out / "transfer.json"
     if transfer.exists():
         r = json.loads(transfer.read_text())
-        host = " ".join(f"{k} {v:.2f}" for k, v in r.get("host_update_gparams_per_s", {}).items())
+        rates = r.get("host_update_gparams_per_s", {}).items()
+        host = " ".join(f"{k} {v:.2f}" for k, v in rates if v)
         print(f"transfer: H2D {r['h2d_gbps']:.1f} GB/s  D2H {r['d2h_gbps']:.1f}  both "
               f"{r['bidirectional_total_gbps']:.1f}  update G params/s: device "
               f"{r['update_gparams_per_s']:.2f} host {host}")

@@ -16,7 +16,7 @@ for item in "${items[@]}"; do
   tag=$(echo "$name $rest" | tr -c 'a-zA-Z0-9\n' '_' | cut -c1-70)
   echo "== $name $rest"
   # shellcheck disable=SC2086
-  timeout 400 python3 benchmarks/bench_step.py $name $rest --out "$OUT/step_$tag.json" > "$OUT/step_$tag.log" 2>&1 \
+  timeout ${RUN_TIMEOUT:-400} python3 benchmarks/bench_step.py $name $rest --out "$OUT/step_$tag.json" > "$OUT/step_$tag.log" 2>&1 \
     || { echo "FAILED: $name"; grep -v '^W' "$OUT/step_$tag.log" | tail -25; }
 done
 # Peers in the same call: PEERS="3b|..." shapes for PyTorch FSDP2 + CPUOffloadPolicy.

@@ -3,6 +3,7 @@
     megatrain-jax train demo                          # the bundled demo, CPU or GPU
     megatrain-jax train configs/7b.json loop.steps=10 data.batch_size=16
     megatrain-jax plan 7b
+    megatrain-jax report runs/latest                  # PNG plots, timeline, summary
     megatrain-jax configs
 
 JAX is imported only after the config is read and checked, so that a bad key fails in a
@@ -77,6 +78,20 @@ def cmd_configs(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from megatrain_jax.report import ReportError, report
+
+    try:
+        written, lines = report(args.run_dir)
+    except ReportError as e:
+        print(f"megatrain-jax: report: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatrain-jax",
@@ -94,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", help="shipped config name or path to a .json/.gin file")
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("report", help="plot a run's metrics and timeline (PNG) and summarize",
+                       description="Writes loss.png, speed.png, memory.png and timeline.png "
+                       "into RUN_DIR and prints a summary. Needs the `report` extra.")
+    p.add_argument("run_dir", help="a training run's folder (loop.run_dir)")
+    p.set_defaults(fn=cmd_report)
     p = sub.add_parser("configs", help="list the shipped configs")
     p.set_defaults(fn=cmd_configs)
     return parser

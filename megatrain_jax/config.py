@@ -133,6 +133,8 @@ class LoopConfig:
     log_every: int = 10
     run_dir: str = "runs/latest"
     progress: str = "auto"
+    timeline_step: int = 2  # this step's per-layer timeline goes to RUN_DIR/timeline.json; -1: none
+    tensorboard: str = "auto"  # event files in RUN_DIR/tensorboard: auto (when installed), on, off
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "stream.update": ("auto", "host", "device"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),
+    "loop.tensorboard": ("auto", "on", "off"),
 }
 
 

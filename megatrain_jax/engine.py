@@ -96,22 +96,34 @@ class StreamState:
 class _PendingUpdate:
     """A step's host-side update, running part by part (streaming order) on a thread."""
 
-    def __init__(self, work: list[Callable[[], None]]):
+    def __init__(self, work: list[Callable[[], None]], names: list[str] | None = None,
+                 timeline=None):
         self.done = [threading.Event() for _ in work]
         self.error: BaseException | None = None
+        self.names, self.timeline = names, timeline
+        self.started = self.finished = time.perf_counter()
         self.thread = threading.Thread(target=self._run, args=(work,), daemon=True,
                                        name="megatrain-host-update")
         self.thread.start()
 
     def _run(self, work) -> None:
-        for fn, done in zip(work, self.done):
+        self.started = time.perf_counter()
+        for k, (fn, done) in enumerate(zip(work, self.done)):
+            start = time.perf_counter()
             try:
                 if self.error is None:
                     fn()
             except BaseException as e:  # surfaced in the caller's thread by wait()
                 self.error = e
             finally:
+                self.finished = time.perf_counter()
+                if self.timeline is not None:
+                    self.timeline.span("host update", self.names[k], start, self.finished)
                 done.set()
+
+    @property
+    def seconds(self) -> float:
+        return self.finished - self.started
 
     def wait(self, part: int = -1) -> None:
         """Waits for part `part` (0 embed, 1..L layers, L+1 head; -1 all)."""
@@ -166,6 +178,12 @@ class StreamEngine:
         # for the benchmarks' time split, not for training.
         self.measure_phases = False
         self.phase_seconds: dict[str, float] = {}
+        # Seconds of the last step, measured without extra synchronization: the main
+        # thread's waits on the host update and on device->host copies, the forward and
+        # backward up to the end of the backward pass, and the update's own duration.
+        self.timings: dict[str, float] = {}
+        # A megatrain_jax.timeline.Timeline to record the next steps' work per layer.
+        self.timeline = None
 
         self._embed_fwd = jax.jit(self._embed_fwd_impl)
         self._layer_fwd = jax.jit(self._layer_fwd_impl)
@@ -254,6 +272,17 @@ class StreamEngine:
                 )
         return {k: a.reshape(m, a.shape[0] // m, *a.shape[1:]) for k, a in batch.items()}
 
+    def _track(self, lane: str, name: str, tree):
+        if self.timeline is not None:
+            self.timeline.track(lane, name, tree)
+        return tree
+
+    def _waited(self, what: str, start: float) -> None:
+        end = time.perf_counter()
+        self.timings[f"wait_{what}_s"] = self.timings.get(f"wait_{what}_s", 0.0) + end - start
+        if self.timeline is not None and end - start > 1e-4:
+            self.timeline.span("waits", what, start, end)
+
     def _observe(self, phase: str, index: int) -> None:
         if self.observer is not None:
             self.observer(phase, index)
@@ -274,11 +303,16 @@ class StreamEngine:
         Returns (loss, host gradients in the parts layout, squared global norm, skip, scale).
         """
         place, num_layers = self.place, len(params["layers"])
-        ready = ready or (lambda k: None)
+        names = ["embed", *(f"layer {i}" for i in range(num_layers)), "head"]
+        self.timings = {"wait_update_s": 0.0, "wait_d2h_s": 0.0}
 
         def fetch_part(k_tree):
-            ready(k_tree[0])
-            return place.to_device(k_tree[1])
+            k, tree = k_tree
+            if ready is not None:
+                start = time.perf_counter()
+                ready(k)
+                self._waited("update", start)
+            return self._track("h2d", names[k], place.to_device(tree))
 
         self._phase_start = time.perf_counter()
         batch = place.to_device(batch)
@@ -289,64 +323,79 @@ class StreamEngine:
 
         # Forward: layers 0 … L-1, then the head, each prefetched `depth` ahead.
         stream = enumerate(list(params["layers"]) + [params["head"]], start=1)
-        xs = self._embed_fwd(embed_params, batch)
+        xs = self._track("compute", "embed", self._embed_fwd(embed_params, batch))
         saved = []
-        offloads = _InFlight(self.depth)
+        offloads = _InFlight(self.depth, self)
         for i, weights in enumerate(_prefetched(stream, fetch_part, self.depth)):
             if i == num_layers:
                 head_params = weights
                 break
             self._observe("forward", i)
-            saved.append(offloads.add(place.to_host(xs)) if self.offload_inputs else xs)
-            xs = self._layer_fwd(weights, xs, batch)
+            if self.offload_inputs:
+                saved.append(offloads.add(self._track("d2h", f"input {i}",
+                                                      place.to_host(xs))))
+            else:
+                saved.append(xs)
+            xs = self._track("compute", f"forward {i}", self._layer_fwd(weights, xs, batch))
             del weights
 
         loss, dxs, dhead, dembed_head, sq = self._head(head_params, embed_params, xs, batch,
                                                        denom)
+        self._track("compute", "head", dxs)
         self._phase_done("forward", dxs)
         del head_params, xs
-        grads = {"head": place.to_host(dhead), "layers": [None] * num_layers}
+        grads = {"head": self._track("d2h", "head grad", place.to_host(dhead)),
+                 "layers": [None] * num_layers}
 
         # Backward: layers L-1 … 0, weights and (offloaded) saved inputs prefetched.
         def fetch(i):
-            return place.to_device((params["layers"][i], saved[i]))
+            return self._track("h2d", f"layer {i}",
+                               place.to_device((params["layers"][i], saved[i])))
 
         order = range(num_layers - 1, -1, -1)
-        offloads = _InFlight(self.depth)
+        offloads = _InFlight(self.depth, self)
         for i, (weights, x_in) in zip(order, _prefetched(order, fetch, self.depth)):
             self._observe("backward", i)
             saved[i] = None  # the device copy now held in x_in is the last one
             dxs, dw, sq = self._layer_bwd(weights, x_in, dxs, batch, sq)
-            grads["layers"][i] = offloads.add(place.to_host(dw))
+            self._track("compute", f"backward {i}", sq)  # dxs is donated to the next call
+            grads["layers"][i] = offloads.add(
+                self._track("d2h", f"layer {i} grad", place.to_host(dw)))
             del weights, x_in, dw
 
         dembed, sq, skip, scale = self._embed_bwd(embed_params, batch, dxs, dembed_head, sq)
-        grads["embed"] = place.to_host(dembed)
+        self._track("compute", "embed backward", sq)
+        grads["embed"] = self._track("d2h", "embed grad", place.to_host(dembed))
         self._phase_done("backward", grads)
         return loss, grads, sq, skip, scale
 
     def train_step(self, state: StreamState, batch: dict) -> tuple[StreamState, dict]:
+        start = time.perf_counter()
         ready = state.pending.wait if state.pending is not None else None
         # The forward waits for each part's pending update just before fetching it.
         loss, grads, sq, skip, scale = self.forward_backward(state._params, batch, ready)
         state.wait()
+        if state.pending is not None:  # the update that overlapped this step's forward
+            self.timings["update_s"] = state.pending.seconds
         metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
         if self.learning_rate is not None:
             metrics["lr"] = self.learning_rate(state.step)
         if self.host_opt is not None:
-            new_state = self._host_update(state, grads, skip, scale)
+            new_state = self._host_update(state, grads, skip, scale, start)
         else:
-            new_state = self._device_update(state, grads, skip, scale)
+            new_state = self._device_update(state, grads, skip, scale, start)
         return new_state, metrics
 
-    def _host_update(self, state, grads, skip, scale) -> StreamState:
+    def _host_update(self, state, grads, skip, scale, start) -> StreamState:
         """Starts the in-place host update on a thread; a skipped step starts nothing.
 
         Waiting for `skip` waits for the backward pass, which is also what makes the
         in-place writes safe: every transfer that read the old parameters has completed.
         """
         pending = None
-        if not bool(skip):
+        skipped = bool(skip)  # waits for the end of the backward pass
+        self.timings["forward_backward_s"] = time.perf_counter() - start
+        if not skipped:
             scale = float(scale)
             work = [
                 (lambda p=p, g=g, s=s: self.host_opt.update(p, g, s, scale))
@@ -354,14 +403,18 @@ class StreamEngine:
                                                   host_store.parts(grads),
                                                   host_store.parts(state._opt_state))
             ]
-            pending = _PendingUpdate(work)
+            names = [name for name, _ in host_store.parts(grads)]
+            pending = _PendingUpdate(work, names, self.timeline)
         new_state = StreamState(state._params, state._opt_state, state.step + 1, pending)
         if self.measure_phases:
             new_state.wait()
             self._phase_done("update", None)
         return new_state
 
-    def _device_update(self, state, grads, skip, scale) -> StreamState:
+    def _device_update(self, state, grads, skip, scale, start) -> StreamState:
+        jax.block_until_ready(skip)  # the end of the backward pass, for the timings
+        updating = time.perf_counter()
+        self.timings["forward_backward_s"] = updating - start
         host_scale, host_skip = self.place.to_host((scale, skip))
         pairs = host_store.map_parts(
             lambda p, g, s: self._update(p, g, s, host_scale, host_skip),
@@ -369,6 +422,11 @@ class StreamEngine:
         )
         params = host_store.map_parts(lambda pair: pair[0], pairs)
         opt_state = host_store.map_parts(lambda pair: pair[1], pairs)
+        for name, part in host_store.parts(params):
+            self._track("compute", f"update {name}", part)
+        # Serial with the step anyway: waiting here costs nothing and times the update.
+        jax.block_until_ready((params, opt_state))
+        self.timings["update_s"] = time.perf_counter() - updating
         self._phase_done("update", (params, opt_state))
         return StreamState(params, opt_state, state.step + 1)
 
@@ -381,14 +439,17 @@ class _InFlight:
     flat and, while the link keeps pace, costs nothing (the GPU still has queued work).
     """
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, engine: "StreamEngine | None" = None):
+        self.limit, self.engine = limit, engine
         self.pending = collections.deque()
 
     def add(self, host_tree):
         self.pending.append(host_tree)
         if len(self.pending) > self.limit:
+            start = time.perf_counter()
             jax.block_until_ready(self.pending.popleft())
+            if self.engine is not None:
+                self.engine._waited("d2h", start)
         return host_tree
 
 

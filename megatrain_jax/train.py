@@ -24,6 +24,7 @@ from megatrain_jax.data import TokenSource
 from megatrain_jax.engine import StreamEngine, llama_templates
 from megatrain_jax.progress import Progress
 from megatrain_jax.reference import ReferenceTrainer
+from megatrain_jax.timeline import Timeline
 
 # Dense bf16 peak by device kind, for MFU; unknown devices report no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12}
@@ -75,6 +76,27 @@ def host_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _tensorboard(cfg: Config, run_dir: Path):
+    """A tensorboardX writer when wanted and installed (the `tensorboard` extra), else None."""
+    if cfg.loop.tensorboard == "off":
+        return None
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        if cfg.loop.tensorboard == "on":
+            raise ImportError("loop.tensorboard=on needs tensorboardX: "
+                              "pip install 'megatrain-jax[tensorboard]'") from None
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def write_timeline(path: Path, bars: list[dict], step: int, cfg: Config, update: str) -> None:
+    """One step's bars (lane, name, start, end in seconds) for `megatrain-jax report`."""
+    doc = {"step": step, "layers": cfg.model.layers, "prefetch_depth": cfg.stream.prefetch_depth,
+           "update": update, "bars": bars}
+    path.write_text(json.dumps(doc) + "\n")
+
+
 def train(cfg: Config, log=None) -> dict:
     """Runs `cfg.loop.steps` steps; returns a summary (first and last loss, tokens/s, ...)."""
     run_dir = Path(cfg.loop.run_dir)
@@ -87,14 +109,26 @@ def train(cfg: Config, log=None) -> dict:
     peak = peak_flops()
     bar = Progress(cfg.loop.steps, cfg.loop.progress, plain_every=cfg.loop.log_every)
     history, skipped = [], 0
+    engine = getattr(trainer, "engine", None)
+    board = _tensorboard(cfg, run_dir)
     timer = time.perf_counter()
     with open(run_dir / "metrics.jsonl", "w") as metrics_file:
         for step in range(cfg.loop.steps):
+            timeline = None
+            if engine is not None and step == cfg.loop.timeline_step:
+                engine.timeline = timeline = Timeline()
             state, metrics = trainer.train_step(state, data.batch_at(step))
+            if timeline is not None:
+                state.wait()
+                engine.timeline = None
+                write_timeline(run_dir / "timeline.json", timeline.finish(), step + 1, cfg,
+                               "host" if engine.host_opt is not None else "device")
             last = step + 1 == cfg.loop.steps
             if (step + 1) % cfg.loop.log_every and not last and step:
                 continue
             record = {k: float(np.asarray(v)) for k, v in metrics.items()}
+            if engine is not None:
+                record.update({f"time_{k}": v for k, v in engine.timings.items()})
             seconds = time.perf_counter() - timer  # the read above waited for the step
             steps_done = step + 1 - (history[-1]["step"] if history else 0)
             tokens_per_s = steps_done * cfg.data.tokens_per_step / seconds
@@ -102,16 +136,27 @@ def train(cfg: Config, log=None) -> dict:
             record.update(step=step + 1, skipped_steps=skipped, step_seconds=seconds / steps_done,
                           tokens_per_s=tokens_per_s, peak_device_bytes=peak_device_bytes(),
                           host_rss_bytes=host_rss_bytes())
-            if peak:
-                record["mfu"] = flops_per_token * tokens_per_s / peak
+            record["mfu"] = flops_per_token * tokens_per_s / peak if peak else None
             history.append(record)
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-            bar.update(step + 1, {"loss": record["loss"], "tok/s": tokens_per_s})
+            if board is not None:
+                for key, value in record.items():
+                    if key != "step" and value is not None:
+                        board.add_scalar(key, value, step + 1)
+                board.flush()
+            shown = {"loss": record["loss"], "tok/s": tokens_per_s}
+            if record["mfu"] is not None:
+                shown["mfu"] = record["mfu"]
+            bar.update(step + 1, shown)
             if log:
                 log(record)
             timer = time.perf_counter()
     bar.close()
+    if board is not None:
+        board.close()
+    if hasattr(state, "wait"):
+        state.wait()
     return {
         "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
         "tokens_per_s": history[-1]["tokens_per_s"], "skipped_steps": skipped,

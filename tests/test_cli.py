@@ -53,3 +53,8 @@ def test_plan_and_configs(capsys):
     assert "6.74B parameters" in out and "master_weights" in out and "optimizer_state" in out
     assert main(["configs"]) == 0
     assert "llama3-70b" in capsys.readouterr().out
+
+
+def test_report_command_errors_clearly(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err

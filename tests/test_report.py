@@ -1,0 +1,96 @@
+"""Watching a run: metrics per step, the timeline, TensorBoard files, `report`, the bar."""
+
+import io
+import json
+
+import pytest
+from conftest import tiny
+
+from megatrain_jax.progress import Progress
+from megatrain_jax.report import ReportError, report
+from megatrain_jax.train import train
+
+FIELDS = ("loss", "lr", "grad_norm", "skipped_steps", "tokens_per_s", "mfu",
+          "peak_device_bytes", "host_rss_bytes", "time_forward_backward_s",
+          "time_wait_update_s", "time_wait_d2h_s")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run")
+    cfg = tiny("model.layers=3", "loop.steps=5", "loop.log_every=1", f"loop.run_dir={path}",
+               "loop.timeline_step=2", "loop.progress=none")
+    train(cfg)
+    return path
+
+
+def test_metrics_have_every_field_every_step(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        assert set(FIELDS) <= set(r), set(FIELDS) - set(r)
+        assert r["time_forward_backward_s"] > 0
+    # from step 2 on, the host update of the step before overlapped this one
+    assert all(r["time_update_s"] > 0 for r in records[1:])
+
+
+def test_timeline_shows_every_layer_on_every_lane(run_dir):
+    timeline = json.loads((run_dir / "timeline.json").read_text())
+    assert timeline["step"] == 3 and timeline["layers"] == 3
+    names = {(b["lane"], b["name"]) for b in timeline["bars"]}
+    for i in range(3):
+        assert {("compute", f"forward {i}"), ("compute", f"backward {i}"),
+                ("d2h", f"layer {i} grad"), ("h2d", f"layer {i}"),
+                ("host update", f"layers.{i}")} <= names
+    for b in timeline["bars"]:
+        assert 0 <= b["start"] <= b["end"], b
+
+
+def test_tensorboard_event_files(run_dir):
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_report_writes_valid_pngs_and_a_summary(run_dir):
+    import matplotlib.image
+
+    written, lines = report(run_dir)
+    assert {p.name for p in written} == {"loss.png", "speed.png", "memory.png", "timeline.png"}
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        height, width, _ = matplotlib.image.imread(path).shape
+        assert height > 100 and width > 100
+    text = "\n".join(lines)
+    assert "steps 5" in text and "tokens/s" in text and "timeline of step 3" in text
+
+
+def test_report_names_what_is_missing(tmp_path):
+    with pytest.raises(ReportError, match="metrics.jsonl does not exist"):
+        report(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2,\n')
+    with pytest.raises(ReportError, match="metrics.jsonl:2 is not valid JSON"):
+        report(tmp_path)
+
+
+def test_progress_is_plain_lines_without_a_terminal():
+    out = io.StringIO()
+    bar = Progress(4, "auto", stream=out, plain_every=2)
+    for step in range(1, 5):
+        bar.update(step, {"loss": 1.5, "tok/s": 1000.0, "mfu": 0.4})
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert lines == [line for line in lines if "\r" not in line and "\x1b" not in line]
+    assert [line.split()[1] for line in lines] == ["2/4", "4/4"]
+    assert "loss 1.5" in lines[-1] and "mfu 0.4" in lines[-1] and "eta" in lines[-1]
+
+
+def test_progress_bar_on_a_terminal_redraws_one_line():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    bar = Progress(3, "auto", stream=out)
+    for step in range(1, 4):
+        bar.update(step, {"loss": 1.0})
+    bar.close()
+    assert out.getvalue().count("\r") == 3 and out.getvalue().count("\n") == 1

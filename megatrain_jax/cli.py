@@ -46,7 +46,13 @@ def cmd_train(args) -> int:
         f"device={jax.devices()[0].device_kind}, run_dir={cfg.loop.run_dir}",
         file=sys.stderr,
     )
-    summary = train(cfg)
+    from megatrain_jax.checkpoint import CheckpointError
+
+    try:
+        summary = train(cfg)
+    except CheckpointError as e:
+        print(f"megatrain-jax: checkpoint error: {e}", file=sys.stderr)
+        return 3
     summary.pop("state")
     print(json.dumps(summary))
     return 0

@@ -133,6 +133,9 @@ class LoopConfig:
     log_every: int = 10
     run_dir: str = "runs/latest"
     progress: str = "auto"
+    checkpoint_every: int = 0  # steps between checkpoints in RUN_DIR/checkpoints; 0: none
+    keep_checkpoints: int = 3
+    resume: bool = True  # continue from the latest checkpoint in RUN_DIR when there is one
     timeline_step: int = 2  # this step's per-layer timeline goes to RUN_DIR/timeline.json; -1: none
     tensorboard: str = "auto"  # event files in RUN_DIR/tensorboard: auto (when installed), on, off
 
@@ -348,6 +351,8 @@ def validate(cfg: Config) -> Config:
          f"stream.update=host has kernels for optim.name adamw and adam, not "
          f"'{cfg.optim.name}'; use stream.update=device (any Optax transformation) or auto"),
         (cfg.loop.steps > 0, "loop.steps must be > 0"),
+        (cfg.loop.checkpoint_every >= 0, "loop.checkpoint_every must be >= 0 (0: none)"),
+        (cfg.loop.keep_checkpoints >= 1, "loop.keep_checkpoints must be >= 1"),
         (cfg.optim.lr > 0, "optim.lr must be > 0"),
         (cfg.optim.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 turns clipping off)"),
         (0 <= cfg.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio must be within [0, 1]"),

@@ -184,6 +184,9 @@ class StreamEngine:
         self.timings: dict[str, float] = {}
         # A megatrain_jax.timeline.Timeline to record the next steps' work per layer.
         self.timeline = None
+        # Called before an update may write host state (in place or by donation): a
+        # checkpoint still being written from that state makes it wait.
+        self.before_update: Callable[[], None] | None = None
 
         self._embed_fwd = jax.jit(self._embed_fwd_impl)
         self._layer_fwd = jax.jit(self._layer_fwd_impl)
@@ -260,6 +263,13 @@ class StreamEngine:
             params = host_store.map_parts(self.place.to_host, params)
         opt_state = host_store.init_host_opt_state(self.place, self.opt, params)
         return StreamState(params, opt_state, 0)
+
+    def abstract_state(self, abstract_params: dict) -> dict:
+        """{"params", "opt_state"} as ShapeDtypeStructs on pinned_host: a restore target."""
+        opt_state = host_store.map_parts(lambda p: jax.eval_shape(self.opt.init, p),
+                                         abstract_params)
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.place.host)  # noqa: E731
+        return jax.tree.map(spec, {"params": abstract_params, "opt_state": opt_state})
 
     # ----- the step ------------------------------------------------------------------------
 
@@ -395,6 +405,8 @@ class StreamEngine:
         pending = None
         skipped = bool(skip)  # waits for the end of the backward pass
         self.timings["forward_backward_s"] = time.perf_counter() - start
+        if self.before_update is not None:
+            self.before_update()
         if not skipped:
             scale = float(scale)
             work = [
@@ -415,6 +427,8 @@ class StreamEngine:
         jax.block_until_ready(skip)  # the end of the backward pass, for the timings
         updating = time.perf_counter()
         self.timings["forward_backward_s"] = updating - start
+        if self.before_update is not None:
+            self.before_update()
         host_scale, host_skip = self.place.to_host((scale, skip))
         pairs = host_store.map_parts(
             lambda p, g, s: self._update(p, g, s, host_scale, host_skip),

@@ -47,6 +47,19 @@ class ReferenceTrainer:
         params = model.init(self.cfg.model, key) if params is None else params
         return TrainState(params, self.opt.init(params), jnp.zeros((), jnp.int32))
 
+    def abstract_state(self) -> TrainState:
+        """Shapes and placement of the state (on the device): a restore target."""
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shapes = jax.eval_shape(lambda: self.init(jax.random.key(0)))
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            shapes)
+
+    def state_tree(self, state: TrainState) -> TrainState:
+        return state
+
+    def from_tree(self, tree: TrainState, step: int) -> TrainState:
+        return tree
+
     def grads(self, params: dict, batch: dict):
         """(loss, gradients) of the whole batch, accumulated over micro-batches."""
         cfg = self.cfg

@@ -19,9 +19,10 @@ import jax
 import numpy as np
 
 from megatrain_jax import model, optim
-from megatrain_jax.config import Config, save_config
+from megatrain_jax.config import Config, save_config, to_dict
 from megatrain_jax.data import TokenSource
-from megatrain_jax.engine import StreamEngine, llama_templates
+from megatrain_jax.checkpoint import CheckpointError, Checkpointer
+from megatrain_jax.engine import StreamEngine, StreamState, llama_templates
 from megatrain_jax.progress import Progress
 from megatrain_jax.reference import ReferenceTrainer
 from megatrain_jax.timeline import Timeline
@@ -55,6 +56,15 @@ class StreamTrainer:
             m.layers,
         )
 
+    def abstract_state(self) -> dict:
+        return self.engine.abstract_state(model.abstract(self.cfg.model))
+
+    def state_tree(self, state) -> dict:
+        return {"params": state.params, "opt_state": state.opt_state}
+
+    def from_tree(self, tree: dict, step: int):
+        return StreamState(tree["params"], tree["opt_state"], step)
+
 
 def make_trainer(cfg: Config):
     return StreamTrainer(cfg) if cfg.loop.trainer == "stream" else ReferenceTrainer(cfg)
@@ -74,6 +84,30 @@ def host_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _resume(cfg: Config, trainer, ckpt: Checkpointer | None):
+    """(state, first step, skipped steps) from the latest checkpoint, or (None, 0, 0)."""
+    if ckpt is None or not cfg.loop.resume or ckpt.latest_step() is None:
+        return None, 0, 0
+    step = ckpt.latest_step()
+    meta = ckpt.read_meta(step)
+    saved, now = meta.get("model", {}), to_dict(cfg)["model"]
+    differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if differ:
+        detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs config {now.get(k)!r}"
+                           for k in differ[:5])
+        raise CheckpointError(
+            f"checkpoint {ckpt.directory / str(step)} is of another model ({detail}). Use "
+            "another loop.run_dir, or loop.resume=false to start over in this one."
+        )
+    if step >= cfg.loop.steps:
+        raise CheckpointError(
+            f"{ckpt.directory} already holds step {step}, and loop.steps is {cfg.loop.steps}: "
+            "raise loop.steps to train on, or use another loop.run_dir."
+        )
+    tree, meta = ckpt.restore(step, trainer.abstract_state())
+    return trainer.from_tree(tree, step), meta["data_position"], meta.get("skipped_steps", 0)
 
 
 def _tensorboard(cfg: Config, run_dir: Path):
@@ -104,16 +138,22 @@ def train(cfg: Config, log=None) -> dict:
     save_config(cfg, run_dir / "config.json")
     data = TokenSource(cfg)
     trainer = make_trainer(cfg)
-    state = trainer.init(jax.random.key(cfg.loop.seed))
+    ckpt = (Checkpointer(run_dir / "checkpoints", keep=cfg.loop.keep_checkpoints)
+            if cfg.loop.checkpoint_every else None)
+    state, start, skipped = _resume(cfg, trainer, ckpt)
+    if state is None:
+        state = trainer.init(jax.random.key(cfg.loop.seed))
     flops_per_token = 6 * cfg.model.num_params
     peak = peak_flops()
     bar = Progress(cfg.loop.steps, cfg.loop.progress, plain_every=cfg.loop.log_every)
-    history, skipped = [], 0
+    history = []
     engine = getattr(trainer, "engine", None)
+    if engine is not None and ckpt is not None:
+        engine.before_update = ckpt.wait  # no in-place write under a checkpoint in flight
     board = _tensorboard(cfg, run_dir)
     timer = time.perf_counter()
-    with open(run_dir / "metrics.jsonl", "w") as metrics_file:
-        for step in range(cfg.loop.steps):
+    with open(run_dir / "metrics.jsonl", "a" if start else "w") as metrics_file:
+        for step in range(start, cfg.loop.steps):
             timeline = None
             if engine is not None and step == cfg.loop.timeline_step:
                 engine.timeline = timeline = Timeline()
@@ -124,13 +164,19 @@ def train(cfg: Config, log=None) -> dict:
                 write_timeline(run_dir / "timeline.json", timeline.finish(), step + 1, cfg,
                                "host" if engine.host_opt is not None else "device")
             last = step + 1 == cfg.loop.steps
-            if (step + 1) % cfg.loop.log_every and not last and step:
+            if ckpt is not None and ((step + 1) % cfg.loop.checkpoint_every == 0 or last):
+                record = {k: float(np.asarray(v)) for k, v in metrics.items()}
+                meta = {"step": step + 1, "data_position": step + 1, "data_seed": cfg.data.seed,
+                        "loop_seed": cfg.loop.seed, "model": to_dict(cfg)["model"],
+                        "skipped_steps": skipped + int(record["skipped"])}
+                ckpt.save(step + 1, trainer.state_tree(state), meta)
+            if (step + 1) % cfg.loop.log_every and not last and step != start:
                 continue
             record = {k: float(np.asarray(v)) for k, v in metrics.items()}
             if engine is not None:
                 record.update({f"time_{k}": v for k, v in engine.timings.items()})
             seconds = time.perf_counter() - timer  # the read above waited for the step
-            steps_done = step + 1 - (history[-1]["step"] if history else 0)
+            steps_done = step + 1 - (history[-1]["step"] if history else start)
             tokens_per_s = steps_done * cfg.data.tokens_per_step / seconds
             skipped += int(record.pop("skipped"))
             record.update(step=step + 1, skipped_steps=skipped, step_seconds=seconds / steps_done,
@@ -155,8 +201,12 @@ def train(cfg: Config, log=None) -> dict:
     bar.close()
     if board is not None:
         board.close()
+    if ckpt is not None:
+        ckpt.close()
     if hasattr(state, "wait"):
         state.wait()
+    if not history:
+        raise RuntimeError("no step ran")
     return {
         "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
         "tokens_per_s": history[-1]["tokens_per_s"], "skipped_steps": skipped,

@@ -1,0 +1,85 @@
+"""Checkpoints: exact resume, placement on restore, keep-N, atomicity, clear errors."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny
+
+from megatrain_jax.checkpoint import CheckpointError, Checkpointer
+from megatrain_jax.host_store import memory_kinds
+from megatrain_jax.train import make_trainer, train
+
+
+def _losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def _cfg(run_dir, *more):
+    return tiny("model.layers=2", "loop.log_every=1", "loop.progress=none",
+                "loop.checkpoint_every=5", "loop.tensorboard=off", "loop.timeline_step=-1",
+                "schedule.warmup_steps=2", "schedule.decay_steps=10", f"loop.run_dir={run_dir}",
+                *more)
+
+
+@pytest.mark.parametrize("trainer", ["stream", "reference"])
+def test_resume_gives_the_same_losses_as_an_unbroken_run(tmp_path, trainer):
+    straight = train(_cfg(tmp_path / "a", "loop.steps=10", f"loop.trainer={trainer}"))
+    train(_cfg(tmp_path / "b", "loop.steps=5", f"loop.trainer={trainer}"))
+    resumed = train(_cfg(tmp_path / "b", "loop.steps=10", f"loop.trainer={trainer}"))
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert sorted(b) == list(range(1, 11))  # the resumed run appended to metrics.jsonl
+    assert [b[s] for s in range(6, 11)] == [a[s] for s in range(6, 11)]  # bit for bit
+    params = jax.tree.leaves(straight["state"].params)
+    for x, y in zip(params, jax.tree.leaves(resumed["state"].params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_restore_goes_straight_to_pinned_host(tmp_path):
+    cfg = _cfg(tmp_path, "loop.steps=5")
+    train(cfg)
+    trainer = make_trainer(cfg)
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    tree, meta = ckpt.restore(5, trainer.abstract_state())
+    assert memory_kinds(tree) == {"pinned_host"}
+    assert meta["step"] == 5 and meta["data_position"] == 5
+    assert int(tree["opt_state"]["layers"][0][0].count) == 5
+
+
+def test_keeps_the_last_n(tmp_path):
+    train(_cfg(tmp_path, "loop.steps=8", "loop.checkpoint_every=2", "loop.keep_checkpoints=2"))
+    assert Checkpointer(tmp_path / "checkpoints").steps() == [6, 8]
+
+
+def test_an_unfinished_save_is_invisible(tmp_path):
+    train(_cfg(tmp_path, "loop.steps=5"))
+    folder = tmp_path / "checkpoints"
+    # what a process killed mid-save leaves: a temporary folder that was never renamed
+    shutil.copytree(folder / "5", folder / "10.orbax-checkpoint-tmp-1700000000")
+    (folder / "10.orbax-checkpoint-tmp-1700000000" / "state").rename(
+        folder / "10.orbax-checkpoint-tmp-1700000000" / "partial")
+    assert Checkpointer(folder).latest_step() == 5
+    resumed = train(_cfg(tmp_path, "loop.steps=7"))
+    assert resumed["state"].step == 7
+
+
+def test_truncated_checkpoint_names_the_file(tmp_path):
+    cfg = _cfg(tmp_path, "loop.steps=5")
+    train(cfg)
+    files = [p for p in (tmp_path / "checkpoints" / "5" / "state").rglob("*")
+             if p.is_file() and p.stat().st_size > 1000]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 3])
+    with pytest.raises(CheckpointError, match=r"checkpoints/5 is corrupt or truncated"):
+        train(_cfg(tmp_path, "loop.steps=8"))
+
+
+def test_checkpoint_of_another_model_is_refused_with_the_difference(tmp_path):
+    train(_cfg(tmp_path, "loop.steps=5"))
+    with pytest.raises(CheckpointError, match=r"model.hidden: checkpoint 32 vs config 48"):
+        train(_cfg(tmp_path, "loop.steps=8", "model.hidden=48"))
+    with pytest.raises(CheckpointError, match="already holds step 5"):
+        train(_cfg(tmp_path, "loop.steps=5"))

@@ -19,9 +19,9 @@ import jax
 import numpy as np
 
 from megatrain_jax import model, optim
+from megatrain_jax.checkpoint import Checkpointer, CheckpointError
 from megatrain_jax.config import Config, save_config, to_dict
 from megatrain_jax.data import TokenSource
-from megatrain_jax.checkpoint import CheckpointError, Checkpointer
 from megatrain_jax.engine import StreamEngine, StreamState, llama_templates
 from megatrain_jax.progress import Progress
 from megatrain_jax.reference import ReferenceTrainer

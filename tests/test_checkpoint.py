@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import tiny
 
-from megatrain_jax.checkpoint import CheckpointError, Checkpointer
+from megatrain_jax.checkpoint import Checkpointer, CheckpointError
 from megatrain_jax.host_store import memory_kinds
 from megatrain_jax.train import make_trainer, train
 

@@ -102,6 +102,7 @@ class _PendingUpdate:
         self.error: BaseException | None = None
         self.names, self.timeline = names, timeline
         self.started = self.finished = time.perf_counter()
+        self.spans: list[tuple[str, float, float]] = []  # (part, start, end) as they ran
         self.thread = threading.Thread(target=self._run, args=(work,), daemon=True,
                                        name="megatrain-host-update")
         self.thread.start()
@@ -117,8 +118,10 @@ class _PendingUpdate:
                 self.error = e
             finally:
                 self.finished = time.perf_counter()
+                name = self.names[k] if self.names else str(k)
+                self.spans.append((name, start, self.finished))
                 if self.timeline is not None:
-                    self.timeline.span("host update", self.names[k], start, self.finished)
+                    self.timeline.span("host update", name, start, self.finished)
                 done.set()
 
     @property
@@ -387,6 +390,9 @@ class StreamEngine:
         state.wait()
         if state.pending is not None:  # the update that overlapped this step's forward
             self.timings["update_s"] = state.pending.seconds
+            if self.timeline is not None and state.pending.timeline is None:
+                for name, begin, end in state.pending.spans:
+                    self.timeline.span("host update", f"{name} (last step's)", begin, end)
         metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
         if self.learning_rate is not None:
             metrics["lr"] = self.learning_rate(state.step)
@@ -406,7 +412,9 @@ class StreamEngine:
         skipped = bool(skip)  # waits for the end of the backward pass
         self.timings["forward_backward_s"] = time.perf_counter() - start
         if self.before_update is not None:
+            waiting = time.perf_counter()
             self.before_update()
+            self._waited("checkpoint", waiting)
         if not skipped:
             scale = float(scale)
             work = [
@@ -428,7 +436,9 @@ class StreamEngine:
         updating = time.perf_counter()
         self.timings["forward_backward_s"] = updating - start
         if self.before_update is not None:
+            waiting = time.perf_counter()
             self.before_update()
+            self._waited("checkpoint", waiting)
         host_scale, host_skip = self.place.to_host((scale, skip))
         pairs = host_store.map_parts(
             lambda p, g, s: self._update(p, g, s, host_scale, host_skip),

@@ -57,7 +57,7 @@ def summarize(metrics: list[dict], timeline: dict | None) -> list[str]:
     if timed:
         split = {k[5:]: statistics.median(r.get(k, 0.0) for r in timed)
                  for k in ("time_forward_backward_s", "time_update_s", "time_wait_update_s",
-                           "time_wait_d2h_s")}
+                           "time_wait_d2h_s", "time_wait_checkpoint_s") if k in timed[-1]}
         lines.append("step split (median s): " + ", ".join(f"{k} {v:.3f}"
                                                           for k, v in split.items()))
     if timeline:
@@ -81,7 +81,8 @@ def timeline_verdict(timeline: dict) -> str:
     text = (f"timeline of step {timeline['step']}: GPU compute busy {busy:.3f} s of "
             f"{span:.3f} s ({busy / span:.0%})")
     if cause:
-        what = {"update": "the host optimizer", "d2h": "device->host copies"}.get(cause, cause)
+        what = {"update": "the host optimizer", "d2h": "device->host copies",
+                "checkpoint": "a checkpoint being written"}.get(cause, cause)
         text += f"; the main thread waited most on {what} ({waits[cause]:.3f} s)"
     return text
 
@@ -108,15 +109,16 @@ def _plot_series(plt, path: Path, title: str, series: dict, ylabel: str, right=N
 def plot_timeline(plt, path: Path, timeline: dict) -> None:
     bars = timeline["bars"]
     lanes = [lane for lane in LANES if any(b["lane"] == lane for b in bars)]
+    extent = max(b["end"] for b in bars) - min(b["start"] for b in bars)
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1.6))
     for row, lane in enumerate(lanes):
         spans = [(b["start"], b["end"] - b["start"]) for b in bars if b["lane"] == lane]
         ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=LANE_COLORS.get(lane, "grey"),
                        edgecolor="white", linewidth=0.3)
-        if len(spans) <= 40:  # name the bars when they are few enough to read
-            for b in (b for b in bars if b["lane"] == lane):
-                ax.text((b["start"] + b["end"]) / 2, row, b["name"].split()[-1],
-                        ha="center", va="center", fontsize=6, clip_on=True)
+        for b in (b for b in bars if b["lane"] == lane):
+            if b["end"] - b["start"] > 0.03 * extent:  # name the bars wide enough to read
+                ax.text((b["start"] + b["end"]) / 2, row, b["name"], ha="center",
+                        va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the step's start")

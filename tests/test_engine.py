@@ -211,3 +211,19 @@ def test_host_update_overlaps_the_next_forward():
     # ... and the forward never runs ahead of the update of the layer it computes
     for i in range(cfg.model.layers):
         assert log[:log.index(f"forward {i}")].count("update") >= i + 2, (i, log)
+
+
+def test_a_failed_host_update_surfaces_in_the_next_step():
+    cfg = tiny("model.layers=2", "stream.update=host")
+    trainer = StreamTrainer(cfg)
+
+    def broken(params, grads, opt_state, scale):
+        raise MemoryError("no room")
+
+    data = TokenSource(cfg)
+    state = trainer.init(jax.random.key(0))
+    trainer.engine.host_opt.update = broken
+    state, _ = trainer.train_step(state, data.batch_at(0))
+    with pytest.raises(RuntimeError, match="host optimizer update failed") as info:
+        trainer.train_step(state, data.batch_at(1))
+    assert isinstance(info.value.__cause__, MemoryError)

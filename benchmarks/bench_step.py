@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit  # noqa: E402
+from common import emit, median_seconds  # noqa: E402
 
 from megatrain_jax import plan  # noqa: E402  (no JAX yet: the pool is sized first)
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
@@ -139,16 +139,6 @@ def run(cfg, trainer, state, args):
     return state, result
 
 
-def _median_seconds(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_roofline(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     """The roofline's rates, measured on this model's own layers and templates."""
     import jax
@@ -160,17 +150,17 @@ def measure_roofline(cfg, engine, state, batch, optimizer_gparams: float = 0.0) 
     params = state.params
     layers = params["layers"][: min(4, len(params["layers"]))]
     nbytes = sum(a.nbytes for a in jax.tree.leaves(layers))
-    h2d = _median_seconds(lambda: block(place.to_device(layers)))
+    h2d = median_seconds(lambda: block(place.to_device(layers)))
     on_device = block(place.to_device(layers))
-    d2h = _median_seconds(lambda: block(place.to_host(on_device)))
+    d2h = median_seconds(lambda: block(place.to_host(on_device)))
 
     weights, embed, head = on_device[0], *place.to_device((params["embed"], params["head"]))
     b = engine._split(place.to_device(batch))
     denom = jnp.maximum(jnp.sum(b["mask"]), 1.0)
     xs = block(engine._embed_fwd(embed, b))
     zero = jnp.zeros((), jnp.float32)
-    forward = _median_seconds(lambda: block(engine._layer_fwd(weights, xs, b)))
-    backward = _median_seconds(
+    forward = median_seconds(lambda: block(engine._layer_fwd(weights, xs, b)))
+    backward = median_seconds(
         lambda: block(engine._layer_bwd(weights, xs, jnp.ones_like(xs), b, zero)))
 
     def head_and_embed():
@@ -178,7 +168,7 @@ def measure_roofline(cfg, engine, state, batch, optimizer_gparams: float = 0.0) 
         _, dxs, _, dembed, sq = engine._head(head, embed, x, b, denom)
         block(engine._embed_bwd(embed, b, dxs, dembed, sq))
 
-    head_s = _median_seconds(head_and_embed)
+    head_s = median_seconds(head_and_embed)
     rate = max(_optimizer_rate(engine), optimizer_gparams)
     rates = roofline.Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s,
                            rate, overlapped_update=engine.host_opt is not None)
@@ -196,7 +186,7 @@ def _optimizer_rate(engine, mparams: int = 64) -> float:
     grads = place.to_host({"w": jnp.full((n // 2**12, 2**12), 1e-3, jnp.float32)})
     state = place.host_jit(engine.opt.init)(params)
     if engine.host_opt is not None:
-        seconds = _median_seconds(lambda: engine.host_opt.update(params, grads, state, 1.0))
+        seconds = median_seconds(lambda: engine.host_opt.update(params, grads, state, 1.0))
     else:
         scale, skip = place.to_host((jnp.float32(1.0), jnp.bool_(False)))
         box = [params, state]
@@ -205,7 +195,7 @@ def _optimizer_rate(engine, mparams: int = 64) -> float:
             box[:] = engine._update(box[0], grads, box[1], scale, skip)
             jax.block_until_ready(box)
 
-        seconds = _median_seconds(update)
+        seconds = median_seconds(update)
     return n / seconds / 1e9
 
 

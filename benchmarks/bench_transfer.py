@@ -12,25 +12,13 @@ and the achieved time come from the same machine.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit  # noqa: E402
-
-
-def _median_seconds(fn, repeats: int = 5) -> float:
-    fn()  # warm-up: allocation, compilation
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from common import emit, median_seconds  # noqa: E402
 
 
 def _host_update_rate(place, kernel, params, grads) -> float | None:
@@ -43,7 +31,7 @@ def _host_update_rate(place, kernel, params, grads) -> float | None:
     except ImportError:
         return None
     state = place.host_jit(host.optax.init)(params)
-    seconds = _median_seconds(lambda: host.update(params, grads, state, 1.0))
+    seconds = median_seconds(lambda: host.update(params, grads, state, 1.0), repeats=5)
     return sum(a.size for a in params.values()) / seconds / 1e9
 
 
@@ -69,10 +57,11 @@ def main() -> None:
     on_host = place.to_host(on_device)
     jax.block_until_ready((on_device, on_host))
 
-    h2d = _median_seconds(lambda: jax.block_until_ready(place.to_device(on_host)))
-    d2h = _median_seconds(lambda: jax.block_until_ready(place.to_host(on_device)))
-    both = _median_seconds(
-        lambda: jax.block_until_ready((place.to_device(on_host), place.to_host(on_device)))
+    h2d = median_seconds(lambda: jax.block_until_ready(place.to_device(on_host)), repeats=5)
+    d2h = median_seconds(lambda: jax.block_until_ready(place.to_host(on_device)), repeats=5)
+    both = median_seconds(
+        lambda: jax.block_until_ready((place.to_device(on_host), place.to_host(on_device))),
+        repeats=5,
     )
 
     # The engine's update: AdamW over host state, grads and the clip scale given.
@@ -91,7 +80,7 @@ def main() -> None:
         box["p"], box["s"] = update(box["p"], grads, box["s"], scale, skip)
         jax.block_until_ready(box["p"])
 
-    upd = _median_seconds(run_update)
+    upd = median_seconds(run_update, repeats=5)
     count = 4 * m
     params = box["p"]  # the originals were donated to the update
     box.clear()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import orbax.checkpoint as ocp
 
 
@@ -93,8 +92,3 @@ def _broken_file(path: Path, error: Exception) -> str:
             return f"file {file}"
     return f"under {path}"
 
-
-def host_target(tree, sharding) -> object:
-    """ShapeDtypeStructs of `tree`'s leaves placed by `sharding` (a restore target)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                        tree)

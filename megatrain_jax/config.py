@@ -165,6 +165,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Optimizers with an in-place host kernel (megatrain_jax.host_optim); the others update on
+# the device.
+HOST_OPTIMIZERS = ("adamw", "adam")
+
+
 def _suggest(name: str, valid: typing.Iterable[str]) -> str:
     valid = sorted(valid)
     close = difflib.get_close_matches(name, valid, n=1)
@@ -347,8 +352,8 @@ def validate(cfg: Config) -> Config:
          f"({d.micro_batches})"),
         (s.prefetch_depth >= 1, "stream.prefetch_depth must be >= 1"),
         (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),
-        (s.update != "host" or cfg.optim.name in ("adamw", "adam"),
-         f"stream.update=host has kernels for optim.name adamw and adam, not "
+        (s.update != "host" or cfg.optim.name in HOST_OPTIMIZERS,
+         f"stream.update=host has kernels for optim.name {' and '.join(HOST_OPTIMIZERS)}, not "
          f"'{cfg.optim.name}'; use stream.update=device (any Optax transformation) or auto"),
         (cfg.loop.steps > 0, "loop.steps must be > 0"),
         (cfg.loop.checkpoint_every >= 0, "loop.checkpoint_every must be >= 0 (0: none)"),

@@ -96,8 +96,7 @@ class StreamState:
 class _PendingUpdate:
     """A step's host-side update, running part by part (streaming order) on a thread."""
 
-    def __init__(self, work: list[Callable[[], None]], names: list[str] | None = None,
-                 timeline=None):
+    def __init__(self, work: list[Callable[[], None]], names: list[str], timeline=None):
         self.done = [threading.Event() for _ in work]
         self.error: BaseException | None = None
         self.names, self.timeline = names, timeline
@@ -118,10 +117,9 @@ class _PendingUpdate:
                 self.error = e
             finally:
                 self.finished = time.perf_counter()
-                name = self.names[k] if self.names else str(k)
-                self.spans.append((name, start, self.finished))
+                self.spans.append((self.names[k], start, self.finished))
                 if self.timeline is not None:
-                    self.timeline.span("host update", name, start, self.finished)
+                    self.timeline.span("host update", self.names[k], start, self.finished)
                 done.set()
 
     @property
@@ -271,8 +269,8 @@ class StreamEngine:
         """{"params", "opt_state"} as ShapeDtypeStructs on pinned_host: a restore target."""
         opt_state = host_store.map_parts(lambda p: jax.eval_shape(self.opt.init, p),
                                          abstract_params)
-        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.place.host)  # noqa: E731
-        return jax.tree.map(spec, {"params": abstract_params, "opt_state": opt_state})
+        return host_store.placed_shapes({"params": abstract_params, "opt_state": opt_state},
+                                        self.place.host)
 
     # ----- the step ------------------------------------------------------------------------
 
@@ -396,25 +394,23 @@ class StreamEngine:
         metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
         if self.learning_rate is not None:
             metrics["lr"] = self.learning_rate(state.step)
-        if self.host_opt is not None:
-            new_state = self._host_update(state, grads, skip, scale, start)
-        else:
-            new_state = self._device_update(state, grads, skip, scale, start)
-        return new_state, metrics
-
-    def _host_update(self, state, grads, skip, scale, start) -> StreamState:
-        """Starts the in-place host update on a thread; a skipped step starts nothing.
-
-        Waiting for `skip` waits for the backward pass, which is also what makes the
-        in-place writes safe: every transfer that read the old parameters has completed.
-        """
-        pending = None
-        skipped = bool(skip)  # waits for the end of the backward pass
+        # Reading `skip` waits for the end of the backward pass, which is also what makes
+        # in-place writes safe: every transfer that read the old parameters has completed.
+        skipped = bool(skip)
         self.timings["forward_backward_s"] = time.perf_counter() - start
         if self.before_update is not None:
             waiting = time.perf_counter()
             self.before_update()
             self._waited("checkpoint", waiting)
+        if self.host_opt is not None:
+            new_state = self._host_update(state, grads, skipped, scale)
+        else:
+            new_state = self._device_update(state, grads, skip, scale)
+        return new_state, metrics
+
+    def _host_update(self, state, grads, skipped: bool, scale) -> StreamState:
+        """Starts the in-place host update on a thread; a skipped step starts nothing."""
+        pending = None
         if not skipped:
             scale = float(scale)
             work = [
@@ -431,14 +427,8 @@ class StreamEngine:
             self._phase_done("update", None)
         return new_state
 
-    def _device_update(self, state, grads, skip, scale, start) -> StreamState:
-        jax.block_until_ready(skip)  # the end of the backward pass, for the timings
+    def _device_update(self, state, grads, skip, scale) -> StreamState:
         updating = time.perf_counter()
-        self.timings["forward_backward_s"] = updating - start
-        if self.before_update is not None:
-            waiting = time.perf_counter()
-            self.before_update()
-            self._waited("checkpoint", waiting)
         host_scale, host_skip = self.place.to_host((scale, skip))
         pairs = host_store.map_parts(
             lambda p, g, s: self._update(p, g, s, host_scale, host_skip),

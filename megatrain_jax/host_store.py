@@ -83,6 +83,12 @@ def init_host_opt_state(placement: Placement, optimizer, params: dict) -> dict:
     return map_parts(init, params)
 
 
+def placed_shapes(tree, sharding) -> object:
+    """ShapeDtypeStructs of `tree`'s leaves with `sharding`: a target to restore into."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        tree)
+
+
 def memory_kinds(tree) -> set[str]:
     return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}
 

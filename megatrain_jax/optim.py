@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from megatrain_jax.config import Config
+from megatrain_jax.config import HOST_OPTIMIZERS, Config
 
 
 def learning_rate(cfg: Config) -> optax.Schedule:
@@ -47,9 +47,6 @@ def build_optimizer(cfg: Config) -> optax.GradientTransformation:
     if o.name == "lion":
         return optax.lion(lr, o.b1, o.b2, weight_decay=o.weight_decay, mask=decay_mask)
     return optax.sgd(lr, momentum=o.momentum or None)
-
-
-HOST_OPTIMIZERS = ("adamw", "adam")
 
 
 def build_stream_optimizer(cfg: Config):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from megatrain_jax import model, optim
 from megatrain_jax.config import Config
+from megatrain_jax.host_store import placed_shapes
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["params", "opt_state", "step"],
@@ -50,9 +51,7 @@ class ReferenceTrainer:
     def abstract_state(self) -> TrainState:
         """Shapes and placement of the state (on the device): a restore target."""
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shapes = jax.eval_shape(lambda: self.init(jax.random.key(0)))
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                            shapes)
+        return placed_shapes(jax.eval_shape(lambda: self.init(jax.random.key(0))), sharding)
 
     def state_tree(self, state: TrainState) -> TrainState:
         return state

@@ -140,13 +140,15 @@ def train(cfg: Config, log=None) -> dict:
     trainer = make_trainer(cfg)
     ckpt = (Checkpointer(run_dir / "checkpoints", keep=cfg.loop.keep_checkpoints)
             if cfg.loop.checkpoint_every else None)
-    state, start, skipped = _resume(cfg, trainer, ckpt)
+    state, start, skipped_before = _resume(cfg, trainer, ckpt)
     if state is None:
         state = trainer.init(jax.random.key(cfg.loop.seed))
     flops_per_token = 6 * cfg.model.num_params
     peak = peak_flops()
     bar = Progress(cfg.loop.steps, cfg.loop.progress, plain_every=cfg.loop.log_every)
     history = []
+    # Skipped steps are counted on the device, every step, without waiting for any of them.
+    skipped = jax.numpy.asarray(skipped_before, jax.numpy.int32)
     engine = getattr(trainer, "engine", None)
     if engine is not None and ckpt is not None:
         engine.before_update = ckpt.wait  # no in-place write under a checkpoint in flight
@@ -158,6 +160,7 @@ def train(cfg: Config, log=None) -> dict:
             if engine is not None and step == cfg.loop.timeline_step:
                 engine.timeline = timeline = Timeline()
             state, metrics = trainer.train_step(state, data.batch_at(step))
+            skipped = skipped + metrics.pop("skipped")
             if timeline is not None:
                 state.wait()
                 engine.timeline = None
@@ -165,10 +168,9 @@ def train(cfg: Config, log=None) -> dict:
                                "host" if engine.host_opt is not None else "device")
             last = step + 1 == cfg.loop.steps
             if ckpt is not None and ((step + 1) % cfg.loop.checkpoint_every == 0 or last):
-                record = {k: float(np.asarray(v)) for k, v in metrics.items()}
                 meta = {"step": step + 1, "data_position": step + 1, "data_seed": cfg.data.seed,
                         "loop_seed": cfg.loop.seed, "model": to_dict(cfg)["model"],
-                        "skipped_steps": skipped + int(record["skipped"])}
+                        "skipped_steps": int(skipped)}
                 ckpt.save(step + 1, trainer.state_tree(state), meta)
             if (step + 1) % cfg.loop.log_every and not last and step != start:
                 continue
@@ -178,8 +180,8 @@ def train(cfg: Config, log=None) -> dict:
             seconds = time.perf_counter() - timer  # the read above waited for the step
             steps_done = step + 1 - (history[-1]["step"] if history else start)
             tokens_per_s = steps_done * cfg.data.tokens_per_step / seconds
-            skipped += int(record.pop("skipped"))
-            record.update(step=step + 1, skipped_steps=skipped, step_seconds=seconds / steps_done,
+            record.update(step=step + 1, skipped_steps=int(skipped),
+                          step_seconds=seconds / steps_done,
                           tokens_per_s=tokens_per_s, peak_device_bytes=peak_device_bytes(),
                           host_rss_bytes=host_rss_bytes())
             record["mfu"] = flops_per_token * tokens_per_s / peak if peak else None
@@ -209,6 +211,6 @@ def train(cfg: Config, log=None) -> dict:
         raise RuntimeError("no step ran")
     return {
         "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
-        "tokens_per_s": history[-1]["tokens_per_s"], "skipped_steps": skipped,
+        "tokens_per_s": history[-1]["tokens_per_s"], "skipped_steps": int(skipped),
         "run_dir": str(run_dir), "state": state,
     }

@@ -95,3 +95,23 @@ def test_progress_bar_on_a_terminal_redraws_one_line():
         bar.update(step, {"loss": 1.0})
     bar.close()
     assert out.getvalue().count("\r") == 3 and out.getvalue().count("\n") == 1
+
+
+def test_skipped_steps_are_counted_between_log_lines(tmp_path, monkeypatch):
+    from megatrain_jax import train as train_module
+
+    batch_at = train_module.TokenSource.batch_at
+
+    def poisoned(self, step):
+        batch = batch_at(self, step)
+        if step == 1:  # not a logged step with log_every=3
+            batch["mask"][0, 0] = float("nan")
+        return batch
+
+    monkeypatch.setattr(train_module.TokenSource, "batch_at", poisoned)
+    cfg = tiny("loop.steps=3", "loop.log_every=3", f"loop.run_dir={tmp_path}",
+               "loop.progress=none", "loop.timeline_step=-1")
+    summary = train(cfg)
+    assert summary["skipped_steps"] == 1
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3 and last["skipped_steps"] == 1

@@ -4,6 +4,7 @@
     megatrain-jax train configs/7b.json loop.steps=10 data.batch_size=16
     megatrain-jax plan 7b
     megatrain-jax report runs/latest                  # PNG plots, timeline, summary
+    megatrain-jax export runs/latest out/             # a Hugging Face folder
     megatrain-jax configs
 
 JAX is imported only after the config is read and checked, so that a bad key fails in a
@@ -75,6 +76,19 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from megatrain_jax.checkpoint import CheckpointError
+    from megatrain_jax.train import export_run  # starts JAX
+
+    try:
+        out = export_run(args.run_dir, args.out_dir, args.step, args.dtype, args.progress)
+    except CheckpointError as e:
+        print(f"megatrain-jax: checkpoint error: {e}", file=sys.stderr)
+        return 3
+    print(f"wrote {out} (load it with transformers' AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 def cmd_configs(args) -> int:
     for name, path in shipped_configs().items():
         cfg = load_config(str(path))
@@ -120,6 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "into RUN_DIR and prints a summary. Needs the `report` extra.")
     p.add_argument("run_dir", help="a training run's folder (loop.run_dir)")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder",
+                       description="Writes checkpoint STEP (default: the latest) of RUN_DIR as "
+                       "sharded safetensors + config.json that transformers loads; tokenizer "
+                       "files of the checkpoint the run started from are copied along.")
+    p.add_argument("run_dir", help="a training run's folder (loop.run_dir)")
+    p.add_argument("out_dir", help="a new folder to write")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="tensor dtype (default: the source checkpoint's, else float32)")
+    p.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("configs", help="list the shipped configs")
     p.set_defaults(fn=cmd_configs)
     return parser

@@ -34,7 +34,12 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder. `head_dim=0` means hidden // heads."""
+    """A Llama-family decoder. `head_dim=0` means hidden // heads.
+
+    `hf_path`: a local Hugging Face model folder to start from; its config.json fixes the
+    architecture fields (setting one of them to another value is an error) and its weights
+    replace the random init.
+    """
 
     vocab_size: int = 256
     hidden: int = 64
@@ -53,6 +58,7 @@ class ModelConfig:
     compute_dtype: str = "bfloat16"
     attention: str = "auto"
     init_std: float = 0.02
+    hf_path: str = ""
 
     @property
     def dh(self) -> int:
@@ -371,7 +377,13 @@ def validate(cfg: Config) -> Config:
 def load_config(name_or_path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Reads a shipped name or a file (JSON or gin), applies overrides, validates."""
     values = _read_file(resolve_config_path(name_or_path)) if name_or_path else {}
-    return validate(from_dict(Config, apply_overrides(values, overrides)))
+    values = apply_overrides(values, overrides)
+    model = values.get("model")
+    if isinstance(model, dict) and model.get("hf_path"):
+        from megatrain_jax.hf import resolve_model_fields  # reads config.json, not weights
+
+        values["model"] = resolve_model_fields(model)
+    return validate(from_dict(Config, values))
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

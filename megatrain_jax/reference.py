@@ -43,6 +43,7 @@ class ReferenceTrainer:
         self.opt = optim.build_optimizer(cfg)
         self.lr = optim.learning_rate(cfg)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
+        self.put_params = jax.device_put  # where imported parameters go
 
     def init(self, key, params: dict | None = None) -> TrainState:
         params = model.init(self.cfg.model, key) if params is None else params

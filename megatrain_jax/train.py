@@ -18,9 +18,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megatrain_jax import model, optim
+from megatrain_jax import hf, model, optim
 from megatrain_jax.checkpoint import Checkpointer, CheckpointError
-from megatrain_jax.config import Config, save_config, to_dict
+from megatrain_jax.config import Config, from_dict, save_config, to_dict, validate
 from megatrain_jax.data import TokenSource
 from megatrain_jax.engine import StreamEngine, StreamState, llama_templates
 from megatrain_jax.progress import Progress
@@ -43,6 +43,7 @@ class StreamTrainer:
             learning_rate=optim.learning_rate(cfg),
         )
         self.train_step = self.engine.train_step
+        self.put_params = self.engine.place.to_host  # where imported parameters go
 
     def init(self, key, params: dict | None = None):
         if params is not None:
@@ -110,6 +111,17 @@ def _resume(cfg: Config, trainer, ckpt: Checkpointer | None):
     return trainer.from_tree(tree, step), meta["data_position"], meta.get("skipped_steps", 0)
 
 
+def initial_state(cfg: Config, trainer):
+    """Random parameters, or those of model.hf_path read part by part into their place."""
+    if not cfg.model.hf_path:
+        return trainer.init(jax.random.key(cfg.loop.seed))
+    parts = len(hf.tensor_names(cfg.model))
+    bar = Progress(parts, cfg.loop.progress, label="import")
+    params = hf.load_params(cfg.model.hf_path, cfg.model, put=trainer.put_params, progress=bar)
+    bar.close()
+    return trainer.init(None, params)
+
+
 def _tensorboard(cfg: Config, run_dir: Path):
     """A tensorboardX writer when wanted and installed (the `tensorboard` extra), else None."""
     if cfg.loop.tensorboard == "off":
@@ -142,7 +154,7 @@ def train(cfg: Config, log=None) -> dict:
             if cfg.loop.checkpoint_every else None)
     state, start, skipped_before = _resume(cfg, trainer, ckpt)
     if state is None:
-        state = trainer.init(jax.random.key(cfg.loop.seed))
+        state = initial_state(cfg, trainer)
     flops_per_token = 6 * cfg.model.num_params
     peak = peak_flops()
     bar = Progress(cfg.loop.steps, cfg.loop.progress, plain_every=cfg.loop.log_every)
@@ -214,3 +226,35 @@ def train(cfg: Config, log=None) -> dict:
         "tokens_per_s": history[-1]["tokens_per_s"], "skipped_steps": int(skipped),
         "run_dir": str(run_dir), "state": state,
     }
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
+               dtype: str | None = None, progress: str = "auto") -> Path:
+    """Writes checkpoint `step` (default: the latest) of a run as a Hugging Face folder.
+
+    `dtype` defaults to that of the checkpoint the run started from (model.hf_path), else
+    float32. Tokenizer files beside that checkpoint are copied along.
+    """
+    run_dir = Path(run_dir)
+    config_file = run_dir / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{run_dir} has no config.json; is it a training run's folder?")
+    cfg = validate(from_dict(Config, json.loads(config_file.read_text())))
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.loop.keep_checkpoints)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"{run_dir / 'checkpoints'} holds no complete checkpoint; train "
+                              "with loop.checkpoint_every=N to write some.")
+    source = cfg.model.hf_path if cfg.model.hf_path and Path(cfg.model.hf_path).is_dir() else None
+    if dtype is None:
+        source_config = hf.read_hf_config(source) if source else {}
+        dtype = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
+    trainer = make_trainer(cfg)
+    tree, _ = ckpt.restore(step, trainer.abstract_state())
+    ckpt.close()
+    params = tree["params"] if isinstance(tree, dict) else tree.params
+    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+    bar = Progress(len(hf.shard_plan(cfg.model, itemsize)), progress, label="export")
+    out = hf.save_params(params, cfg.model, out_dir, dtype=dtype, source=source, progress=bar)
+    bar.close()
+    return out

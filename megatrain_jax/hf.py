@@ -1,0 +1,364 @@
+"""Hugging Face checkpoints in and out: Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3.
+
+    arch = architecture("path/to/Llama-3.1-8B")       # model.* fields from its config.json
+    params = load_params("path/to/Llama-3.1-8B", cfg.model, put=placement.to_host)
+    save_params(params, cfg.model, "out/", dtype="bfloat16", source="path/to/Llama-3.1-8B")
+
+A checkpoint is a folder with config.json and one `model.safetensors` or several shards named
+by `model.safetensors.index.json`. Loading reads one part of the model at a time (the
+embedding, then each layer, then the head) through memory-mapped safetensors, converts it to
+fp32 in our [in, out] layout and hands it to `put` (the host store's copy to pinned_host)
+before the next part is read, so the whole model never exists twice in RAM. Saving writes
+shards one at a time in the same layout `transformers` reads.
+
+`architecture` needs neither JAX nor safetensors: the config loader calls it before JAX
+starts, so that the memory plan and the pinned pool are computed from the real model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Callable
+
+from megatrain_jax.config import ConfigError, ModelConfig
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Files of a checkpoint folder that export copies along (tokenizer, generation settings).
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+# Our layer field -> (name under model.layers.{i}., stored transposed [out, in] by torch).
+LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+EMBED_TENSOR = "model.embed_tokens.weight"
+NORM_TENSOR = "model.norm.weight"
+OUT_TENSOR = "lm_head.weight"
+# Buffers some older checkpoints carry; recomputed here, so ignored.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointFormatError(ConfigError):
+    """A Hugging Face folder is missing, unsupported, or does not match its config.json."""
+
+
+# ----- config.json <-> ModelConfig fields (no JAX) -------------------------------------------
+
+
+def read_hf_config(path: str | Path) -> dict:
+    folder = Path(path)
+    file = folder / "config.json"
+    if not folder.is_dir():
+        raise CheckpointFormatError(f"model.hf_path: no such folder '{folder}'.")
+    if not file.is_file():
+        raise CheckpointFormatError(f"model.hf_path: '{folder}' has no config.json; is it a "
+                                    "Hugging Face model folder?")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{file} is not valid JSON: {e}") from e
+
+
+def _rope(hf: dict) -> tuple[float, dict]:
+    """(theta, our rope_scaling fields) from either transformers 4 or 5 keys."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return float(theta), {"kind": "none"}
+    if kind == "linear":
+        return float(theta), {"kind": "linear", "factor": float(scaling["factor"])}
+    if kind == "llama3":
+        return float(theta), {
+            "kind": "llama3", "factor": float(scaling["factor"]),
+            "low_freq_factor": float(scaling["low_freq_factor"]),
+            "high_freq_factor": float(scaling["high_freq_factor"]),
+            "original_max_position": int(scaling["original_max_position_embeddings"]),
+        }
+    raise CheckpointFormatError(f"rope scaling '{kind}' is not supported (supported: default, "
+                                "linear, llama3).")
+
+
+def architecture(path: str | Path) -> dict:
+    """The model.* config fields that a Hugging Face folder's config.json fixes."""
+    hf = read_hf_config(path)
+    family = hf.get("model_type")
+    where = f"{Path(path) / 'config.json'}"
+    if family not in FAMILIES:
+        raise CheckpointFormatError(
+            f"{where}: model_type '{family}' is not supported; supported: {', '.join(FAMILIES)}.")
+    unsupported = [
+        (hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r}"),
+        (bool(hf.get("mlp_bias")), "mlp_bias=true"),
+        (family in ("llama", "mistral", "qwen3") and bool(hf.get("attention_bias")),
+         "attention_bias=true (a bias on the output projection)"),
+        (bool(hf.get("use_sliding_window")), "use_sliding_window=true"),
+    ]
+    bad = [text for flag, text in unsupported if flag]
+    if bad:
+        raise CheckpointFormatError(f"{where}: {', '.join(bad)} is not supported.")
+    heads = hf["num_attention_heads"]
+    theta, scaling = _rope(hf)
+    max_len = int(hf.get("max_position_embeddings", 4096))
+    if family == "mistral" and hf.get("sliding_window"):
+        # Within the window, sliding-window attention is plain causal attention.
+        max_len = min(max_len, int(hf["sliding_window"]))
+    return {
+        "vocab_size": hf["vocab_size"], "hidden": hf["hidden_size"],
+        "layers": hf["num_hidden_layers"], "heads": heads,
+        "kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "ffn": hf["intermediate_size"], "rope_theta": theta, "rope_scaling": scaling,
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", family == "qwen2")),
+        "qkv_bias": family == "qwen2", "qk_norm": family == "qwen3", "max_seq_len": max_len,
+    }
+
+
+def resolve_model_fields(model: dict) -> dict:
+    """Fills `model` (a config section as a dict) from model.hf_path's config.json.
+
+    A field set in the config that the checkpoint fixes to another value is an error, not
+    silently replaced.
+    """
+    arch = architecture(model["hf_path"])
+    defaults = ModelConfig()
+    for key, value in arch.items():
+        given = model.get(key)
+        if key == "rope_scaling" and given is not None:
+            given = {**vars(defaults.rope_scaling), **given}
+            value = {**vars(defaults.rope_scaling), **value}
+        if given is not None and given != value:
+            raise CheckpointFormatError(
+                f"model.{key}={given!r} differs from {value!r} in the checkpoint "
+                f"{model['hf_path']}/config.json; remove model.{key} from the config.")
+    return {**model, **arch}
+
+
+def hf_config(cfg: ModelConfig, dtype: str, source: dict | None = None) -> dict:
+    """A config.json for `cfg`: the source checkpoint's own when known, else a new one."""
+    if source:
+        out = dict(source)
+    else:
+        family = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}[family]
+        out = {
+            "architectures": [arch], "model_type": family, "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
+            "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
+            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dh, "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+            "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+            "rope_scaling": _hf_rope_scaling(cfg), "attention_bias": False,
+        }
+    out.pop("torch_dtype", None)
+    out["dtype"] = dtype
+    return out
+
+
+def _hf_rope_scaling(cfg: ModelConfig) -> dict | None:
+    r = cfg.rope_scaling
+    if r.kind == "none":
+        return None
+    if r.kind == "linear":
+        return {"rope_type": "linear", "factor": r.factor}
+    return {"rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position}
+
+
+# ----- tensors ---------------------------------------------------------------------------------
+
+
+def tensor_names(cfg: ModelConfig) -> dict:
+    """{part name: {our field: (hf name, transposed)}} in streaming order."""
+    names = {"embed": {"table": (EMBED_TENSOR, False)}}
+    layer_fields = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if cfg.qkv_bias:
+        layer_fields += ["bq", "bk", "bv"]
+    if cfg.qk_norm:
+        layer_fields += ["q_norm", "k_norm"]
+    for i in range(cfg.layers):
+        names[f"layers.{i}"] = {f: (f"model.layers.{i}.{LAYER_TENSORS[f][0]}", LAYER_TENSORS[f][1])
+                                for f in layer_fields}
+    names["head"] = {"norm": (NORM_TENSOR, False)}
+    if not cfg.tie_embeddings:
+        names["head"]["out"] = (OUT_TENSOR, True)
+    return names
+
+
+def _weight_map(folder: Path) -> dict[str, Path]:
+    """{tensor name: file} for a single-file or sharded safetensors checkpoint."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointFormatError(f"{index} is not a safetensors index: {e}") from e
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / WEIGHTS
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(single, framework="numpy") as f:
+            return {name: single for name in f.keys()}
+    found = sorted(p.name for p in folder.iterdir())
+    raise CheckpointFormatError(
+        f"{folder} has neither {WEIGHTS} nor {INDEX} (found: {', '.join(found[:8])}); only "
+        "safetensors checkpoints are read. Convert .bin weights with transformers' "
+        "save_pretrained(..., safe_serialization=True).")
+
+
+def _check_names(weight_map: dict, expected: dict, folder: Path) -> None:
+    want = {hf for part in expected.values() for hf, _ in part.values()}
+    have = {n for n in weight_map if not n.endswith(IGNORED_SUFFIXES)}
+    missing, extra = sorted(want - have), sorted(have - want)
+    if extra == [OUT_TENSOR]:  # tied in config.json, yet saved: the copy is not used
+        extra = []
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors ({', '.join(missing[:4])})")
+        if extra:
+            parts.append(f"{len(extra)} tensors this model has no place for "
+                         f"({', '.join(extra[:4])})")
+        raise CheckpointFormatError(
+            f"{folder} does not match its config.json: {'; '.join(parts)}.")
+
+
+def load_params(path: str | Path, cfg: ModelConfig, put: Callable = lambda tree: tree,
+                progress=None) -> dict:
+    """{"embed", "layers": [...], "head"} read part by part; each part goes through `put`."""
+    import numpy as np
+    from safetensors import safe_open
+
+    from megatrain_jax import model
+
+    folder = Path(path)
+    weight_map = _weight_map(folder)
+    expected = tensor_names(cfg)
+    _check_names(weight_map, expected, folder)
+    shapes = {"embed": model.abstract_embed(cfg), "head": model.abstract_head(cfg)}
+    layer_shapes = model.abstract_layer(cfg)
+    params = {"embed": None, "layers": [], "head": None}
+    with ExitStack() as stack:
+        handles = {}
+
+        def read(name: str, transposed: bool, spec) -> np.ndarray:
+            file = weight_map[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+            stored = handles[file].get_tensor(name)
+            want = spec.shape[::-1] if transposed else spec.shape  # as torch stores it
+            if stored.shape != want:
+                raise CheckpointFormatError(f"{name} in {file} has shape {list(stored.shape)}; "
+                                            f"the config implies {list(want)}.")
+            return np.ascontiguousarray(stored.T if transposed else stored, dtype=np.float32)
+
+        for done, (part, fields) in enumerate(expected.items(), 1):
+            spec_tree = layer_shapes if part.startswith("layers.") else shapes[part]
+            values = {f: read(hf, t, getattr(spec_tree, f)) for f, (hf, t) in fields.items()}
+            tree = put(type(spec_tree)(**values))  # fields not read stay None
+            if part.startswith("layers."):
+                params["layers"].append(tree)
+            else:
+                params[part] = tree
+            if progress is not None:
+                progress.update(done, {"part": part})
+    return params
+
+
+def save_params(params: dict, cfg: ModelConfig, out_dir: str | Path, dtype: str = "float32",
+                source: str | Path | None = None, max_shard_bytes: int = 5 * 2**30,
+                progress=None) -> Path:
+    """Writes `params` as a Hugging Face folder (sharded safetensors + config.json).
+
+    The folder is written under a temporary name and renamed when complete. Files beside the
+    source checkpoint's weights (tokenizer, generation config) are copied along.
+    """
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
+                "float16": np.float16}.get(dtype)
+    if np_dtype is None:
+        raise ConfigError(f"export dtype '{dtype}' is not one of float32, bfloat16, float16.")
+    out = Path(out_dir)
+    if out.exists():
+        raise ConfigError(f"{out} already exists; export into a new folder.")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+    trees = {"embed": params["embed"], "head": params["head"],
+             **{f"layers.{i}": p for i, p in enumerate(params["layers"])}}
+    plan = shard_plan(cfg, np.dtype(np_dtype).itemsize, max_shard_bytes)
+    total_bytes, weight_map = 0, {}
+    for k, shard in enumerate(plan, 1):
+        file = WEIGHTS if len(plan) == 1 else f"model-{k:05d}-of-{len(plan):05d}.safetensors"
+        tensors = {}
+        for part, field, hf, transposed in shard:
+            array = np.asarray(getattr(trees[part], field))
+            tensors[hf] = np.ascontiguousarray((array.T if transposed else array).astype(np_dtype))
+            weight_map[hf] = file
+            total_bytes += tensors[hf].nbytes
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        del tensors
+        if progress is not None:
+            progress.update(k, {"file": file})
+    if len(plan) > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    source_config = read_hf_config(source) if source else None
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype, source_config), indent=2)
+                                     + "\n")
+    for name in SIDE_FILES if source else ():
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, tmp / name)
+    tmp.rename(out)
+    return out
+
+
+def shard_plan(cfg: ModelConfig, itemsize: int, max_shard_bytes: int = 5 * 2**30) -> list:
+    """Tensors per file, in order: [[(part, field, hf name, transposed), ...], ...].
+
+    Planned from shapes alone, so that each file's name can carry the count.
+    """
+    from megatrain_jax import model
+
+    specs = {"embed": model.abstract_embed(cfg), "head": model.abstract_head(cfg)}
+    layer = model.abstract_layer(cfg)
+    plan, size = [[]], 0
+    for part, fields in tensor_names(cfg).items():
+        for field, (hf, transposed) in fields.items():
+            shape = getattr(specs.get(part, layer), field).shape
+            n = itemsize
+            for dim in shape:
+                n *= dim
+            if plan[-1] and size + n > max_shard_bytes:
+                plan.append([])
+                size = 0
+            plan[-1].append((part, field, hf, transposed))
+            size += n
+    return plan

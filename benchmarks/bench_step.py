@@ -15,7 +15,6 @@ With `--sweep`, the output is a JSON list, one object per batch size.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -25,10 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, median_seconds  # noqa: E402
+from common import emit  # noqa: E402
 
 from megatrain_jax import plan  # noqa: E402  (no JAX yet: the pool is sized first)
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
+from megatrain_jax.roofline import measure  # noqa: E402  (imports no JAX)
 
 
 def main() -> None:
@@ -112,7 +112,7 @@ def run(cfg, trainer, state, args):
         # The optimizer's rate: the better of a standalone 64M-parameter update and the
         # whole model's update in the synced steps, so that the bound is never flattering.
         in_step = [cfg.model.num_params / ph["update"] / 1e9 for ph in phases]
-        roofline = measure_roofline(cfg, engine, state, data.batch_at(0), max(in_step or [0]))
+        roofline = measure(cfg, engine, state, data.batch_at(0), max(in_step or [0]))
         roofline["ratio"] = step_s / roofline["step_s"]
         roofline["ratio_to_ideal"] = step_s / roofline["ideal_s"]
         for phase in phases:  # the synced phases' time beyond compute: waits on transfers
@@ -137,66 +137,6 @@ def run(cfg, trainer, state, args):
         "config_values": to_dict(cfg),
     }
     return state, result
-
-
-def measure_roofline(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
-    """The roofline's rates, measured on this model's own layers and templates."""
-    import jax
-    import jax.numpy as jnp
-
-    from megatrain_jax import roofline
-
-    place, block = engine.place, jax.block_until_ready
-    params = state.params
-    layers = params["layers"][: min(4, len(params["layers"]))]
-    nbytes = sum(a.nbytes for a in jax.tree.leaves(layers))
-    h2d = median_seconds(lambda: block(place.to_device(layers)))
-    on_device = block(place.to_device(layers))
-    d2h = median_seconds(lambda: block(place.to_host(on_device)))
-
-    weights, embed, head = on_device[0], *place.to_device((params["embed"], params["head"]))
-    b = engine._split(place.to_device(batch))
-    denom = jnp.maximum(jnp.sum(b["mask"]), 1.0)
-    xs = block(engine._embed_fwd(embed, b))
-    zero = jnp.zeros((), jnp.float32)
-    forward = median_seconds(lambda: block(engine._layer_fwd(weights, xs, b)))
-    backward = median_seconds(
-        lambda: block(engine._layer_bwd(weights, xs, jnp.ones_like(xs), b, zero)))
-
-    def head_and_embed():
-        x = engine._embed_fwd(embed, b)
-        _, dxs, _, dembed, sq = engine._head(head, embed, x, b, denom)
-        block(engine._embed_bwd(embed, b, dxs, dembed, sq))
-
-    head_s = median_seconds(head_and_embed)
-    rate = max(_optimizer_rate(engine), optimizer_gparams)
-    rates = roofline.Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s,
-                           rate, overlapped_update=engine.host_opt is not None)
-    return {**dataclasses.asdict(rates), **roofline.bound(cfg.model, rates)}
-
-
-def _optimizer_rate(engine, mparams: int = 64) -> float:
-    """G params/s of the engine's update on 64M fp32 parameters held in pinned host memory."""
-    import jax
-    import jax.numpy as jnp
-
-    place = engine.place
-    n = mparams * 2**20
-    params = place.to_host({"w": jnp.full((n // 2**12, 2**12), 0.01, jnp.float32)})
-    grads = place.to_host({"w": jnp.full((n // 2**12, 2**12), 1e-3, jnp.float32)})
-    state = place.host_jit(engine.opt.init)(params)
-    if engine.host_opt is not None:
-        seconds = median_seconds(lambda: engine.host_opt.update(params, grads, state, 1.0))
-    else:
-        scale, skip = place.to_host((jnp.float32(1.0), jnp.bool_(False)))
-        box = [params, state]
-
-        def update():
-            box[:] = engine._update(box[0], grads, box[1], scale, skip)
-            jax.block_until_ready(box)
-
-        seconds = median_seconds(update)
-    return n / seconds / 1e9
 
 
 if __name__ == "__main__":

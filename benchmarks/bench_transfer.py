@@ -18,7 +18,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, median_seconds  # noqa: E402
+from common import emit  # noqa: E402
+
+from megatrain_jax.roofline import median_seconds  # noqa: E402
 
 
 def _host_update_rate(place, kernel, params, grads) -> float | None:

@@ -5,6 +5,7 @@
     megatrain-jax plan 7b
     megatrain-jax report runs/latest                  # PNG plots, timeline, summary
     megatrain-jax export runs/latest out/             # a Hugging Face folder
+    megatrain-jax prepare chat.jsonl --out data/chat --tokenizer Llama-3.1-8B/
     megatrain-jax configs
 
 JAX is imported only after the config is read and checked, so that a bad key fails in a
@@ -33,8 +34,8 @@ def _gib(n: float) -> str:
 
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    planner.check_fits(cfg)
     if cfg.loop.trainer == "stream":
-        planner.check_fits(cfg)
         planner.set_pool_env(cfg)
     import jax
 
@@ -69,11 +70,65 @@ def cmd_plan(args) -> int:
         for name, n in est[where].items():
             print(f"  {name:22s}{_gib(n)}")
         print(f"  {'total':22s}{_gib(est[where + '_total'])}")
-    have = planner.host_memory_available()
-    if have is not None:
-        verdict = "fits" if est["host_total"] <= have else "does NOT fit"
-        print(f"host memory available: {_gib(have).strip()} -> {verdict}")
+    if cfg.loop.trainer == "stream":
+        print(f"  pinned host pool      {_gib(planner.pinned_pool_bytes(cfg))}  (holds the host "
+              "state above; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, set by `train`)")
+    host, gpu = planner.host_memory_available(), planner.gpu_memory_bytes()
+    for name, have, need in (("host", host, est["host_total"]),
+                             ("GPU", gpu, est["device_total"])):
+        if have is None:
+            print(f"{name} memory: unknown here")
+        else:
+            verdict = "fits" if need <= have else "does NOT fit"
+            print(f"{name} memory: {_gib(have).strip()} -> {verdict}")
+    best = planner.largest_fitting(cfg, host, gpu)
+    if best is None:
+        print("largest shipped shape that fits this machine: none")
+    else:
+        name, fitting = best
+        e = planner.estimate(fitting)
+        host_need, gpu_need = _gib(e["host_total"]).strip(), _gib(e["device_total"]).strip()
+        print(f"largest shipped shape that fits this machine: {name} "
+              f"({fitting.model.num_params / 1e9:.2f}B params; host {host_need}, GPU {gpu_need} "
+              "at these settings)")
+    rates = _plan_rates(args, cfg)
+    if rates is None:
+        print("compute-bound from: needs measured rates; add --measure on the training machine "
+              "(or --rates a bench_step.py JSON)")
+    else:
+        from megatrain_jax import roofline
+
+        b = roofline.bound(cfg.model, rates)
+        tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step)
+        print(f"rates: H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, optimizer "
+              f"{rates.optimizer_gparams:.2f} G params/s, layer forward+backward "
+              f"{(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms")
+        print(f"step bound at these settings: {b['step_s']:.3f} s "
+              f"({cfg.data.tokens_per_step / b['step_s']:,.0f} tokens/s)")
+        print(f"compute-bound from about {tokens:,} tokens per step "
+              f"(now {cfg.data.tokens_per_step:,})")
     return 0
+
+
+def _plan_rates(args, cfg):
+    """Roofline rates at cfg's tokens per step: from a benchmark JSON, measured, or None."""
+    from megatrain_jax import roofline
+
+    if args.rates:
+        try:
+            result = json.loads(open(args.rates).read())
+            fields = {f: result["roofline"][f] for f in roofline.Rates.__dataclass_fields__}
+            measured_tokens = result["tokens_per_step"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"--rates {args.rates}: not a bench_step.py result ({e}).") from e
+        rates = roofline.Rates(**fields)
+        return roofline.scaled(rates, cfg.data.tokens_per_step / measured_tokens)
+    if not args.measure:
+        return None
+    planner.set_pool_env(cfg)
+    from megatrain_jax.train import measure_rates  # starts JAX
+
+    return measure_rates(cfg)
 
 
 def cmd_export(args) -> int:
@@ -86,6 +141,16 @@ def cmd_export(args) -> int:
         print(f"megatrain-jax: checkpoint error: {e}", file=sys.stderr)
         return 3
     print(f"wrote {out} (load it with transformers' AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from megatrain_jax.prepare import prepare
+
+    meta = prepare(args.inputs, args.out, args.tokenizer, args.progress)
+    print(f"wrote {args.out}: {meta['kind']} data, {meta['documents']:,} documents, "
+          f"{meta['tokens']:,} tokens ({meta['trained_tokens']:,} trained on), vocabulary "
+          f"{meta['vocab_size']:,}; train with data.source={args.out}")
     return 0
 
 
@@ -122,18 +187,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, text in (
         ("train", cmd_train, "train a model (the streaming engine unless loop.trainer=reference)"),
-        ("plan", cmd_plan, "show the host and GPU memory a config needs, without starting JAX"),
+        ("plan", cmd_plan, "show the host and GPU memory a config needs, the largest shipped "
+         "shape that fits, and (measured) where the step turns compute-bound"),
     ):
         p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("config", help="shipped config name or path to a .json/.gin file")
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        if name == "plan":
+            p.add_argument("--measure", action="store_true",
+                           help="measure link, layer and optimizer rates on two layers of this "
+                           "model (starts JAX; seconds to minutes)")
+            p.add_argument("--rates", help="take the rates from a bench_step.py JSON instead")
         p.set_defaults(fn=fn)
     p = sub.add_parser("report", help="plot a run's metrics and timeline (PNG) and summarize",
                        description="Writes loss.png, speed.png, memory.png and timeline.png "
                        "into RUN_DIR and prints a summary. Needs the `report` extra.")
     p.add_argument("run_dir", help="a training run's folder (loop.run_dir)")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("prepare", help="tokenize text files or JSONL into a data folder",
+                       description="Tokenizes text files (one document each) or JSONL "
+                       "({'text'}, {'prompt', 'response'} or {'messages'} per line) into "
+                       "token memmaps for data.source=OUT.")
+    p.add_argument("inputs", nargs="+", help="input files or glob patterns")
+    p.add_argument("--out", required=True, help="a new folder to write")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="'bytes' (ids 0..255), a tokenizer.json, or a folder holding one "
+                   "(a Hugging Face model folder)")
+    p.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto")
+    p.set_defaults(fn=cmd_prepare)
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder",
                        description="Writes checkpoint STEP (default: the latest) of RUN_DIR as "
                        "sharded safetensors + config.json that transformers loads; tokenizer "

@@ -105,13 +105,16 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where tokens come from. `source`: `bundled` text, `random` ids, or a token file path."""
+    """Where tokens come from. `source`: `bundled` text, `random` ids, a folder made by
+    `megatrain-jax prepare`, or a token file. `val_fraction` of the data is held out for
+    evaluation (the end of a text, or that share of instruction examples)."""
 
     source: str = "bundled"
     batch_size: int = 8
     seq_len: int = 128
     micro_batches: int = 1
     seed: int = 0
+    val_fraction: float = 0.0
 
     @property
     def tokens_per_step(self) -> int:
@@ -144,6 +147,8 @@ class LoopConfig:
     resume: bool = True  # continue from the latest checkpoint in RUN_DIR when there is one
     timeline_step: int = 2  # this step's per-layer timeline goes to RUN_DIR/timeline.json; -1: none
     tensorboard: str = "auto"  # event files in RUN_DIR/tensorboard: auto (when installed), on, off
+    eval_every: int = 0  # steps between evaluations on the validation split; 0: none
+    eval_batches: int = 4  # batches per evaluation (the same ones every time)
 
 
 @dataclass(frozen=True)
@@ -356,6 +361,11 @@ def validate(cfg: Config) -> Config:
         (d.micro_batches > 0 and d.batch_size % d.micro_batches == 0,
          f"data.batch_size ({d.batch_size}) must be divisible by data.micro_batches "
          f"({d.micro_batches})"),
+        (0 <= d.val_fraction < 1, "data.val_fraction must be within [0, 1)"),
+        (cfg.loop.eval_every == 0 or d.val_fraction > 0,
+         "loop.eval_every needs a validation split: set data.val_fraction (e.g. 0.05)"),
+        (cfg.loop.eval_every >= 0 and cfg.loop.eval_batches >= 1,
+         "loop.eval_every must be >= 0 and loop.eval_batches >= 1"),
         (s.prefetch_depth >= 1, "stream.prefetch_depth must be >= 1"),
         (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),
         (s.update != "host" or cfg.optim.name in HOST_OPTIMIZERS,

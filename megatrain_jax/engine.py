@@ -192,6 +192,7 @@ class StreamEngine:
         self._embed_fwd = jax.jit(self._embed_fwd_impl)
         self._layer_fwd = jax.jit(self._layer_fwd_impl)
         self._head = jax.jit(self._head_impl)
+        self._head_eval = jax.jit(self._head_eval_impl)
         self._layer_bwd = jax.jit(self._layer_bwd_impl, donate_argnums=2)
         self._embed_bwd = jax.jit(self._embed_bwd_impl)
         self._update = self.place.host_jit(self._update_impl, donate_argnums=(0, 2))
@@ -220,6 +221,12 @@ class StreamEngine:
         zeros = (jnp.zeros((), jnp.float32), _zeros_like(head_params), _zeros_like(tied))
         (loss, dhead, dembed), dxs = jax.lax.scan(one, zeros, (xs, batch))
         return loss, dxs, dhead, dembed, optim.sum_of_squares(dhead)
+
+    def _head_eval_impl(self, head_params, embed_params, xs, batch, denom):
+        tied = embed_params if self.t.tied else None
+        losses = jax.lax.map(lambda args: self.t.head_loss(head_params, tied, *args, denom),
+                             (xs, batch))
+        return jnp.sum(losses)
 
     def _layer_bwd_impl(self, params, xs, dxs, batch, sq):
         """Recomputes the layer from its saved inputs; returns dL/dx_in, dL/dw, running sq."""
@@ -305,6 +312,23 @@ class StreamEngine:
             self.phase_seconds[phase] = now - self._phase_start
             self._phase_start = now
 
+    def _on_device(self, batch: dict):
+        """The batch on the device, split into micro-batches, and the loss's denominator."""
+        batch = self.place.to_device(batch)
+        normalizer = self.t.normalizer or (lambda b: jnp.sum(b["mask"]))
+        return self._split(batch), jnp.maximum(normalizer(batch), 1.0)
+
+    def eval_loss(self, params: dict, batch: dict):
+        """The loss of `batch` from a streamed forward pass alone: no gradient, no update."""
+        batch, denom = self._on_device(batch)
+        embed_params = self.place.to_device(params["embed"])
+        xs = self._embed_fwd(embed_params, batch)
+        parts = [*params["layers"], params["head"]]
+        for i, weights in enumerate(_prefetched(parts, self.place.to_device, self.depth)):
+            if i == len(parts) - 1:
+                return self._head_eval(weights, embed_params, xs, batch, denom)
+            xs = self._layer_fwd(weights, xs, batch)
+
     def forward_backward(self, params: dict, batch: dict,
                          ready: Callable[[int], None] | None = None):
         """Streams one step's forward and backward.
@@ -326,10 +350,7 @@ class StreamEngine:
             return self._track("h2d", names[k], place.to_device(tree))
 
         self._phase_start = time.perf_counter()
-        batch = place.to_device(batch)
-        normalizer = self.t.normalizer or (lambda b: jnp.sum(b["mask"]))
-        denom = jnp.maximum(normalizer(batch), 1.0)
-        batch = self._split(batch)
+        batch, denom = self._on_device(batch)
         embed_params = fetch_part((0, params["embed"]))
 
         # Forward: layers 0 … L-1, then the head, each prefetched `depth` ahead.

@@ -59,6 +59,13 @@ class Progress:
             self.stream.write(line + "\n")
             self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """A line of its own (an eval result, say), above the bar on a terminal."""
+        if self.mode == "none":
+            return
+        self.stream.write(("\r\x1b[K" if self.mode == "bar" else "") + text + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
         if self.mode == "bar":
             self.stream.write("\n")

@@ -44,6 +44,7 @@ class ReferenceTrainer:
         self.lr = optim.learning_rate(cfg)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.put_params = jax.device_put  # where imported parameters go
+        self._eval_loss = jax.jit(self._eval_loss_impl)
 
     def init(self, key, params: dict | None = None) -> TrainState:
         params = model.init(self.cfg.model, key) if params is None else params
@@ -77,6 +78,14 @@ class ReferenceTrainer:
         zeros = jax.tree.map(jnp.zeros_like, params)
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), micro)
         return loss, grads
+
+    def _eval_loss_impl(self, params: dict, batch: dict):
+        denom = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        return model.loss(params, batch, self.cfg.model, denom, self.cfg.stream.loss_chunk)
+
+    def eval_loss(self, state: TrainState, batch: dict):
+        """The loss of `batch` without a gradient or an update."""
+        return self._eval_loss(state.params, batch)
 
     def _train_step(self, state: TrainState, batch: dict):
         loss, grads = self.grads(state.params, batch)

@@ -19,6 +19,9 @@ forward + backward + optimizer.
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
+import time
 
 from megatrain_jax.config import ModelConfig
 
@@ -62,12 +65,101 @@ def _limit(forward, backward, weight_pass, gradients, optimizer) -> str:
 
 
 def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int) -> int:
-    """Tokens per step at which compute reaches the largest transfer/optimizer cost.
+    """Tokens per step from which this engine's schedule is bound by compute alone.
 
-    Layer compute grows linearly with tokens; transfers and the optimizer do not. `rates`
-    were measured at `tokens` per step.
+    Layer compute grows linearly with tokens; transfers and the optimizer do not. The step is
+    compute-bound once the forward outlasts the weight stream (and the host update that paces
+    it) and the backward outlasts the weight stream and the gradients' return. `rates` were
+    measured at `tokens` per step.
     """
     b = bound(model, rates)
-    per_token = (b["compute_forward_s"] + b["compute_backward_s"]) / tokens
-    other = max(2 * b["h2d_per_pass_s"], b["d2h_s"], b["optimizer_s"])
-    return int(other / per_token) if per_token > 0 else 0
+    forward_per_token = b["compute_forward_s"] / tokens
+    backward_per_token = b["compute_backward_s"] / tokens
+    paced = b["h2d_per_pass_s"]
+    if rates.overlapped_update:
+        paced = max(paced, b["optimizer_s"])
+    if forward_per_token <= 0 or backward_per_token <= 0:
+        return 0
+    return math.ceil(max(paced / forward_per_token,
+                         max(b["h2d_per_pass_s"], b["d2h_s"]) / backward_per_token))
+
+
+def scaled(rates: Rates, factor: float) -> Rates:
+    """The rates at `factor` times the tokens per step: compute scales, transfers do not."""
+    return dataclasses.replace(rates, layer_forward_s=rates.layer_forward_s * factor,
+                               layer_backward_s=rates.layer_backward_s * factor,
+                               head_s=rates.head_s * factor)
+
+
+def median_seconds(fn, repeats: int = 3) -> float:
+    """Median wall time of `repeats` calls of fn, after one warm-up call (compilation)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
+    """The rates, measured on this model's own layers and templates, and the bound.
+
+    `state` may hold fewer layers than `cfg.model` (a few suffice); the bound is for
+    `cfg.model`. `optimizer_gparams`, when higher than the standalone measurement, is taken
+    (the rate seen inside real steps).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    place, block = engine.place, jax.block_until_ready
+    params = state.params
+    layers = params["layers"][: min(4, len(params["layers"]))]
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(layers))
+    h2d = median_seconds(lambda: block(place.to_device(layers)))
+    on_device = block(place.to_device(layers))
+    d2h = median_seconds(lambda: block(place.to_host(on_device)))
+
+    weights, embed, head = on_device[0], *place.to_device((params["embed"], params["head"]))
+    b = engine._split(place.to_device(batch))
+    denom = jnp.maximum(jnp.sum(b["mask"]), 1.0)
+    xs = block(engine._embed_fwd(embed, b))
+    zero = jnp.zeros((), jnp.float32)
+    forward = median_seconds(lambda: block(engine._layer_fwd(weights, xs, b)))
+    backward = median_seconds(
+        lambda: block(engine._layer_bwd(weights, xs, jnp.ones_like(xs), b, zero)))
+
+    def head_and_embed():
+        x = engine._embed_fwd(embed, b)
+        _, dxs, _, dembed, sq = engine._head(head, embed, x, b, denom)
+        block(engine._embed_bwd(embed, b, dxs, dembed, sq))
+
+    head_s = median_seconds(head_and_embed)
+    rate = max(_optimizer_rate(engine), optimizer_gparams)
+    rates = Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s,
+                           rate, overlapped_update=engine.host_opt is not None)
+    return {**dataclasses.asdict(rates), **bound(cfg.model, rates)}
+
+
+def _optimizer_rate(engine, mparams: int = 64) -> float:
+    """G params/s of the engine's update on 64M fp32 parameters held in pinned host memory."""
+    import jax
+    import jax.numpy as jnp
+
+    place = engine.place
+    n = mparams * 2**20
+    params = place.to_host({"w": jnp.full((n // 2**12, 2**12), 0.01, jnp.float32)})
+    grads = place.to_host({"w": jnp.full((n // 2**12, 2**12), 1e-3, jnp.float32)})
+    state = place.host_jit(engine.opt.init)(params)
+    if engine.host_opt is not None:
+        seconds = median_seconds(lambda: engine.host_opt.update(params, grads, state, 1.0))
+    else:
+        scale, skip = place.to_host((jnp.float32(1.0), jnp.bool_(False)))
+        box = [params, state]
+
+        def update():
+            box[:] = engine._update(box[0], grads, box[1], scale, skip)
+            jax.block_until_ready(box)
+
+        seconds = median_seconds(update)
+    return n / seconds / 1e9

@@ -57,6 +57,10 @@ class StreamTrainer:
             m.layers,
         )
 
+    def eval_loss(self, state: StreamState, batch: dict):
+        """The loss of `batch` from a streamed forward pass (waits for a pending update)."""
+        return self.engine.eval_loss(state.params, batch)
+
     def abstract_state(self) -> dict:
         return self.engine.abstract_state(model.abstract(self.cfg.model))
 
@@ -136,6 +140,17 @@ def _tensorboard(cfg: Config, run_dir: Path):
     return SummaryWriter(str(run_dir / "tensorboard"))
 
 
+def evaluate(trainer, state, val: TokenSource, batches: int) -> float:
+    """Mean loss per trained token over the first `batches` validation batches."""
+    total = count = 0.0
+    for i in range(batches):
+        batch = val.batch_at(i)
+        tokens = float(batch["mask"].sum())
+        total += float(trainer.eval_loss(state, batch)) * tokens
+        count += tokens
+    return total / max(count, 1.0)
+
+
 def write_timeline(path: Path, bars: list[dict], step: int, cfg: Config, update: str) -> None:
     """One step's bars (lane, name, start, end in seconds) for `megatrain-jax report`."""
     doc = {"step": step, "layers": cfg.model.layers, "prefetch_depth": cfg.stream.prefetch_depth,
@@ -149,6 +164,7 @@ def train(cfg: Config, log=None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.json")
     data = TokenSource(cfg)
+    val = TokenSource(cfg, "val") if cfg.loop.eval_every else None
     trainer = make_trainer(cfg)
     ckpt = (Checkpointer(run_dir / "checkpoints", keep=cfg.loop.keep_checkpoints)
             if cfg.loop.checkpoint_every else None)
@@ -166,6 +182,8 @@ def train(cfg: Config, log=None) -> dict:
         engine.before_update = ckpt.wait  # no in-place write under a checkpoint in flight
     board = _tensorboard(cfg, run_dir)
     timer = time.perf_counter()
+    if not start:
+        (run_dir / "eval.jsonl").unlink(missing_ok=True)
     with open(run_dir / "metrics.jsonl", "a" if start else "w") as metrics_file:
         for step in range(start, cfg.loop.steps):
             timeline = None
@@ -184,6 +202,15 @@ def train(cfg: Config, log=None) -> dict:
                         "loop_seed": cfg.loop.seed, "model": to_dict(cfg)["model"],
                         "skipped_steps": int(skipped)}
                 ckpt.save(step + 1, trainer.state_tree(state), meta)
+            if val is not None and ((step + 1) % cfg.loop.eval_every == 0 or last):
+                began = time.perf_counter()
+                eval_loss = evaluate(trainer, state, val, cfg.loop.eval_batches)
+                with open(run_dir / "eval.jsonl", "a") as eval_file:
+                    eval_file.write(json.dumps({"step": step + 1, "loss": eval_loss}) + "\n")
+                if board is not None:
+                    board.add_scalar("eval_loss", eval_loss, step + 1)
+                bar.note(f"step {step + 1}: eval loss {eval_loss:.4f}")
+                timer += time.perf_counter() - began  # not training time
             if (step + 1) % cfg.loop.log_every and not last and step != start:
                 continue
             record = {k: float(np.asarray(v)) for k, v in metrics.items()}
@@ -258,3 +285,20 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     out = hf.save_params(params, cfg.model, out_dir, dtype=dtype, source=source, progress=bar)
     bar.close()
     return out
+
+
+def measure_rates(cfg: Config):
+    """The roofline's rates for `cfg` (a `roofline.Rates`), measured on two of its layers
+    with random tokens: link bandwidths, layer and head times, optimizer rate."""
+    import dataclasses
+
+    from megatrain_jax import roofline
+
+    small = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, layers=min(cfg.model.layers, 2), hf_path=""),
+        data=dataclasses.replace(cfg.data, source="random"),
+        loop=dataclasses.replace(cfg.loop, trainer="stream"))
+    trainer = StreamTrainer(small)
+    state = trainer.init(jax.random.key(0))
+    measured = roofline.measure(cfg, trainer.engine, state, TokenSource(small).batch_at(0))
+    return roofline.Rates(**{f: measured[f] for f in roofline.Rates.__dataclass_fields__})

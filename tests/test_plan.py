@@ -1,0 +1,95 @@
+"""The memory planner and the roofline's compute-bound point."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from megatrain_jax import plan, roofline
+from megatrain_jax.cli import main
+from megatrain_jax.config import ConfigError, load_config, shipped_configs
+
+GiB = 2**30
+BENCH_7B = Path(__file__).parent.parent / "benchmarks" / "results" / "2026-11-21-s2c" / \
+    "step_7b___steps_6___warmup_2___repeat_batch___phases_1.json"
+
+
+def test_check_fits_refuses_with_the_numbers():
+    cfg = load_config("7b", ["data.batch_size=16", "data.seq_len=1024"])
+    with pytest.raises(ConfigError, match=r"needs 119.2 GiB of host memory .* only 64.0 GiB"):
+        plan.check_fits(cfg, host=64 * GiB, gpu=80 * GiB)
+    with pytest.raises(ConfigError, match=r"about 18.0 GiB of GPU memory .* the GPU has 16.0 GiB"
+                                          r".*data.micro_batches"):
+        plan.check_fits(cfg, host=125 * GiB, gpu=16 * GiB)
+    plan.check_fits(cfg, host=125 * GiB, gpu=139 * GiB)  # the H200 machine: fits
+    # Micro-batches shrink the step's workspace: the advice given is one that works.
+    split = load_config("7b", ["data.batch_size=16", "data.seq_len=1024",
+                               "data.micro_batches=4"])
+    assert plan.estimate(split)["device_total"] < plan.estimate(cfg)["device_total"]
+
+
+@pytest.mark.parametrize("host_gib", [16, 125, 600, 2000])
+def test_largest_fitting_is_the_largest_shipped_shape_that_fits(host_gib):
+    cfg = load_config("7b", ["data.batch_size=16", "data.seq_len=1024"])
+    host, gpu = host_gib * GiB, 139 * GiB
+    found = plan.largest_fitting(cfg, host, gpu)
+    sizes = {}
+    for name, path in shipped_configs().items():
+        candidate = dataclasses.replace(cfg, model=load_config(str(path)).model)
+        est = plan.estimate(candidate)
+        sizes[name] = (candidate.model.num_params,
+                       est["host_total"] <= host and est["device_total"] <= gpu)
+    fitting = [n for n, (_, fits) in sizes.items() if fits]
+    assert found is not None and found[0] in fitting
+    assert sizes[found[0]][0] == max(sizes[n][0] for n in fitting)
+    assert found[1].data == cfg.data  # the user's settings, another shape
+    if host_gib == 125:
+        assert found[0] == "7b"  # with 16 x 1024 tokens, as measured on the H200 machine
+    assert plan.largest_fitting(cfg, 1024, gpu) is None
+
+
+def test_compute_bound_tokens_is_where_compute_outlasts_transfers_and_updates():
+    cfg = load_config("7b")
+    rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
+                           layer_backward_s=0.03, head_s=0.05, optimizer_gparams=5.0)
+    tokens = roofline.compute_bound_tokens(cfg.model, rates, 16384)
+
+    def compute_bound(t):
+        b = roofline.bound(cfg.model, roofline.scaled(rates, t / 16384))
+        paced = max(b["h2d_per_pass_s"], b["optimizer_s"])
+        return b["compute_forward_s"] >= paced * (1 - 1e-9) and \
+            b["compute_backward_s"] >= max(b["h2d_per_pass_s"], b["d2h_s"]) * (1 - 1e-9)
+
+    assert compute_bound(tokens) and not compute_bound(int(tokens * 0.95))
+    # With the update on the device the forward is no longer paced by the optimizer.
+    serial = dataclasses.replace(rates, overlapped_update=False)
+    assert roofline.compute_bound_tokens(cfg.model, serial, 16384) < tokens
+
+
+def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monkeypatch):
+    monkeypatch.setattr(plan, "host_memory_available", lambda: 125 * GiB)
+    monkeypatch.setattr(plan, "gpu_memory_bytes", lambda: 139 * GiB)
+    assert main(["plan", "7b", "data.batch_size=16", "data.seq_len=1024",
+                 "--rates", str(BENCH_7B)]) == 0
+    out = capsys.readouterr().out
+    for part in ("master_weights", "optimizer_state", "gradients", "pinned host pool",
+                 "saved_inputs", "workspace", "host memory: 125.00 GiB -> fits",
+                 "GPU memory: 139.00 GiB -> fits",
+                 "largest shipped shape that fits this machine: 7b"):
+        assert part in out, part
+    measured = json.loads(BENCH_7B.read_text())["roofline"]
+    assert f"step bound at these settings: {measured['step_s']:.3f} s" in out
+    assert "compute-bound from about 46,9" in out  # ~47k tokens at the H200's measured rates
+
+
+def test_plan_measure_on_this_machine(capsys):
+    assert main(["plan", "tiny", "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert "rates: H2D" in out and "compute-bound from about" in out
+
+
+def test_train_refuses_a_model_that_does_not_fit(capsys, monkeypatch):
+    monkeypatch.setattr(plan, "host_memory_available", lambda: 8 * GiB)
+    assert main(["train", "7b", "loop.steps=1"]) == 2
+    assert "GiB of host memory" in capsys.readouterr().err

@@ -38,6 +38,25 @@ def test_resume_gives_the_same_losses_as_an_unbroken_run(tmp_path, trainer):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_resume_with_packed_instruction_data_and_evals(tmp_path):
+    """Data order over epochs of packed examples, and the eval loss, survive a resume."""
+    from megatrain_jax.prepare import prepare
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "response": f" {i + 1}"}) + "\n"
+                             for i in range(30)))
+    prepare([str(pairs)], tmp_path / "data", progress="none")
+    more = [f"data.source={tmp_path / 'data'}", "data.seq_len=32", "data.batch_size=4",
+            "data.val_fraction=0.1", "loop.eval_every=5", "loop.eval_batches=1"]
+    train(_cfg(tmp_path / "a", "loop.steps=10", *more))
+    train(_cfg(tmp_path / "b", "loop.steps=5", *more))
+    train(_cfg(tmp_path / "b", "loop.steps=10", *more))
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert [b[s] for s in range(6, 11)] == [a[s] for s in range(6, 11)]
+    evals = [(tmp_path / run / "eval.jsonl").read_text() for run in ("a", "b")]
+    assert evals[0] == evals[1] and evals[0].count("\n") == 2  # steps 5 and 10
+
+
 def test_restore_goes_straight_to_pinned_host(tmp_path):
     cfg = _cfg(tmp_path, "loop.steps=5")
     train(cfg)

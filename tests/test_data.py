@@ -38,7 +38,10 @@ def test_prepare_text_files_with_bytes(tmp_path, capsys):
     (tmp_path / "b.txt").write_text("second file " * 10)
     assert main(["prepare", str(tmp_path / "*.txt"), "--out", str(tmp_path / "text"),
                  "--progress", "plain"]) == 0
-    assert "text data, 2 documents" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "text data, 2 documents" in captured.out
+    # Without a terminal the progress bar is plain lines: bytes read, documents, tokens.
+    assert "prepare 360/360  documents 2  tokens 360" in captured.err
     meta = json.loads((tmp_path / "text" / "meta.json").read_text())
     tokens = np.memmap(tmp_path / "text" / "tokens.bin", dtype=meta["dtype"], mode="r")
     assert bytes(tokens.astype(np.uint8)).decode() == "hello world\n" * 20 + "second file " * 10

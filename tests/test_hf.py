@@ -104,7 +104,7 @@ def test_bfloat16_export_is_loadable_and_close(tmp_path):
     assert np.max(np.abs(hf_logits(out) - hf_logits(reference))) < 0.1
 
 
-def test_stream_training_from_hf_then_cli_export(tmp_path):
+def test_stream_training_from_hf_then_cli_export(tmp_path, capsys):
     """Import into pinned_host, train, checkpoint, export with the CLI: transformers agrees."""
     from megatrain_jax.host_store import memory_kinds
     from megatrain_jax.train import initial_state, make_trainer, train
@@ -116,7 +116,7 @@ def test_stream_training_from_hf_then_cli_export(tmp_path):
     cfg = load_config(None, [f"model.hf_path={source}", "model.compute_dtype=float32",
                              "model.attention=xla", "data.source=random", "data.seq_len=16",
                              "data.batch_size=2", "loop.steps=2", "loop.checkpoint_every=2",
-                             f"loop.run_dir={run_dir}", "loop.progress=none", "optim.lr=1e-2"])
+                             f"loop.run_dir={run_dir}", "loop.progress=plain", "optim.lr=1e-2"])
     state = initial_state(cfg, make_trainer(cfg))
     assert memory_kinds(state.params) == {"pinned_host"}
     on_device = lambda params: jax.tree.map(np.asarray, params)  # noqa: E731
@@ -124,7 +124,9 @@ def test_stream_training_from_hf_then_cli_export(tmp_path):
     assert np.max(np.abs(imported - hf_logits(source))) <= 1e-4
 
     trained = train(cfg)["state"].params
-    assert main(["export", str(run_dir), str(tmp_path / "out"), "--progress", "none"]) == 0
+    assert main(["export", str(run_dir), str(tmp_path / "out"), "--progress", "plain"]) == 0
+    progress = capsys.readouterr().err
+    assert "import 4/4  part head" in progress and "export 1/1  file model.safetensors" in progress
     out = tmp_path / "out"
     assert (out / "tokenizer.json").is_file()
     ours = np.asarray(model.logits(on_device(trained), TOKENS, cfg.model))

@@ -49,31 +49,7 @@ cat /tmp/w/run/eval.jsonl
 echo "== export and load back"
 timeout 200 $CLI export /tmp/w/run /tmp/w/hf_out --progress plain 2>&1 | tail -3
 ls /tmp/w/hf_out
-timeout 200 python3 - <<'EOF'
-import jax, numpy as np, torch, transformers as T
-from safetensors import safe_open
-from megatrain_jax import hf, model
-from megatrain_jax.config import load_config
-tokens = np.random.default_rng(0).integers(0, 32000, (1, 64))
-cfg = load_config(None, ["model.hf_path=/tmp/w/hf_out", "model.compute_dtype=float32",
-                         "model.attention=xla"]).model
-ours = np.asarray(model.logits(hf.load_params("/tmp/w/hf_out", cfg, put=jax.device_put),
-                               tokens, cfg))
-m = T.AutoModelForCausalLM.from_pretrained("/tmp/w/hf_out", dtype=torch.float32).cuda().eval()
-with torch.no_grad():
-    theirs = m(torch.tensor(tokens).cuda()).logits.float().cpu().numpy()
-print("exported logits: ours vs transformers max abs diff", float(np.abs(ours - theirs).max()),
-      "(logit scale", float(np.abs(theirs).max()), ")")
-def first(folder, name):
-    import json, pathlib
-    index = pathlib.Path(folder) / "model.safetensors.index.json"
-    file = json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors"
-    with safe_open(f"{folder}/{file}", "np") as f:
-        return f.get_tensor(name).astype(np.float32)
-name = "model.layers.3.mlp.down_proj.weight"
-print("trained weights moved from the source:",
-      float(np.abs(first("/tmp/w/hf_out", name) - first("/tmp/w/hf_src", name)).max()))
-EOF
+timeout 200 python3 benchmarks/hf_parity.py /tmp/w/hf_out --moved-from /tmp/w/hf_src
 } 2>&1 | tee $W/summary.txt
 cd /tmp && tar czf "$OUT_FINAL/all.tgz" --exclude='checkpoints' --exclude='*.safetensors' \
   --exclude='*.bin' w

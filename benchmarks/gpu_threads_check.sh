@@ -17,23 +17,7 @@ cfg = T.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
 T.LlamaForCausalLM(cfg).save_pretrained("/tmp/t/hf_src", max_shard_size="1GB")
 PY
 for precision in default highest; do
-JAX_DEFAULT_MATMUL_PRECISION=$precision timeout 200 python3 - <<'PY'
-import os, jax, numpy as np, torch, transformers as T
-from megatrain_jax import hf, model
-from megatrain_jax.config import load_config
-torch.backends.cuda.matmul.allow_tf32 = False
-tokens = np.random.default_rng(0).integers(0, 32000, (1, 64))
-cfg = load_config(None, ["model.hf_path=/tmp/t/hf_src", "model.compute_dtype=float32",
-                         "model.attention=xla"]).model
-ours = np.asarray(model.logits(hf.load_params("/tmp/t/hf_src", cfg, put=jax.device_put),
-                               tokens, cfg))
-m = T.AutoModelForCausalLM.from_pretrained("/tmp/t/hf_src", dtype=torch.float32).cuda().eval()
-with torch.no_grad():
-    theirs = m(torch.tensor(tokens).cuda()).logits.float().cpu().numpy()
-print(f"matmul precision {os.environ['JAX_DEFAULT_MATMUL_PRECISION']}: 0.85B import, "
-      f"max abs logit diff {float(np.abs(ours - theirs).max()):.2e} "
-      f"(scale {float(np.abs(theirs).max()):.1f})")
-PY
+  JAX_DEFAULT_MATMUL_PRECISION=$precision timeout 200 python3 benchmarks/hf_parity.py /tmp/t/hf_src
 done
 for threads in 16 14; do
   echo "== 7b, NUMBA_NUM_THREADS=$threads"

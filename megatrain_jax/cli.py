@@ -19,7 +19,7 @@ import json
 import sys
 
 from megatrain_jax import plan as planner
-from megatrain_jax.config import ConfigError, load_config, shipped_configs
+from megatrain_jax.config import ConfigError, load_config, load_run_config, shipped_configs
 
 EPILOG = """\
 CONFIG is a shipped config name (see `megatrain-jax configs`) or a .json/.gin file.
@@ -132,6 +132,7 @@ def _plan_rates(args, cfg):
 
 
 def cmd_export(args) -> int:
+    planner.set_pool_env(load_run_config(args.run_dir))  # the state is restored to the host
     from megatrain_jax.checkpoint import CheckpointError
     from megatrain_jax.train import export_run  # starts JAX
 

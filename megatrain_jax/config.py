@@ -396,5 +396,16 @@ def load_config(name_or_path: str | None = None, overrides: typing.Sequence[str]
     return validate(from_dict(Config, values))
 
 
+def load_run_config(run_dir: str | Path) -> Config:
+    """The resolved config a training run wrote to RUN_DIR/config.json."""
+    file = Path(run_dir) / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{run_dir} has no config.json; is it a training run's folder?")
+    try:
+        return validate(from_dict(Config, json.loads(file.read_text())))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON: {e}") from e
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")

@@ -116,6 +116,11 @@ def architecture(path: str | Path) -> dict:
     bad = [text for flag, text in unsupported if flag]
     if bad:
         raise CheckpointFormatError(f"{where}: {', '.join(bad)} is not supported.")
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size")
+    missing = [key for key in required if not isinstance(hf.get(key), int)]
+    if missing:
+        raise CheckpointFormatError(f"{where}: no integer {', '.join(missing)}.")
     heads = hf["num_attention_heads"]
     theta, scaling = _rope(hf)
     max_len = int(hf.get("max_position_embeddings", 4096))

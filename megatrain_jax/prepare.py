@@ -4,7 +4,8 @@
     prepare(["chat.jsonl"], "data/chat", tokenizer="Llama-3.1-8B/")   # tokenizer.json
 
 Inputs are read one document at a time and their tokens appended to the output files, so a
-dataset larger than memory is fine. What a line of JSONL holds decides the kind of data:
+dataset larger than memory is fine (a `.json` file, an array of records, is read whole).
+What a line of JSONL holds decides the kind of data:
 
     {"text": "..."}                                   text: every token is trained on
     {"prompt": "...", "response": "..."}              instruction: loss on the response only
@@ -86,7 +87,17 @@ def _documents(files: list[Path]):
     """Yields (record, bytes read so far) for every document of every input file."""
     done = 0
     for file in files:
-        if file.suffix in (".jsonl", ".json"):
+        if file.suffix == ".json":  # one JSON array of records
+            try:
+                records = json.loads(file.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{file} is not valid JSON: {e}") from e
+            if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+                raise ConfigError(f"{file}: expected a JSON array of objects (or use .jsonl).")
+            done += file.stat().st_size
+            for number, record in enumerate(records, 1):
+                yield record, f"{file}[{number - 1}]", done
+        elif file.suffix == ".jsonl":
             with open(file, "rb") as f:
                 for number, line in enumerate(f, 1):
                     done += len(line)

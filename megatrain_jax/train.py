@@ -20,7 +20,7 @@ import numpy as np
 
 from megatrain_jax import hf, model, optim
 from megatrain_jax.checkpoint import Checkpointer, CheckpointError
-from megatrain_jax.config import Config, from_dict, save_config, to_dict, validate
+from megatrain_jax.config import Config, load_run_config, save_config, to_dict
 from megatrain_jax.data import TokenSource
 from megatrain_jax.engine import StreamEngine, StreamState, llama_templates
 from megatrain_jax.progress import Progress
@@ -263,10 +263,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     float32. Tokenizer files beside that checkpoint are copied along.
     """
     run_dir = Path(run_dir)
-    config_file = run_dir / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{run_dir} has no config.json; is it a training run's folder?")
-    cfg = validate(from_dict(Config, json.loads(config_file.read_text())))
+    cfg = load_run_config(run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.loop.keep_checkpoints)
     step = ckpt.latest_step() if step is None else step
     if step is None:

@@ -109,6 +109,15 @@ def test_instruction_order_is_deterministic_by_seed_and_covers_every_example(sft
     assert sorted(k for row in first_epoch for k in row) == list(range(40))
 
 
+def test_a_json_array_is_the_same_data_as_jsonl(tmp_path):
+    (tmp_path / "pairs.json").write_text(json.dumps(PAIRS[:5]))
+    write_jsonl(tmp_path / "pairs.jsonl", PAIRS[:5])
+    prepare([str(tmp_path / "pairs.json")], tmp_path / "a", progress="none")
+    prepare([str(tmp_path / "pairs.jsonl")], tmp_path / "b", progress="none")
+    for name in ("tokens.bin", "loss_mask.bin"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
 def test_chat_messages_train_on_assistant_turns_only(tmp_path):
     chats = [{"messages": [{"role": "user", "content": "hi"},
                            {"role": "assistant", "content": "hello!"},

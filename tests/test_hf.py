@@ -148,6 +148,9 @@ def test_mismatched_or_unsupported_checkpoints_name_what_differs(tmp_path):
     config_file.write_text(json.dumps({**original, "model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
         fp32_config(source)
+    config_file.write_text(json.dumps({k: v for k, v in original.items() if k != "hidden_size"}))
+    with pytest.raises(ConfigError, match="no integer hidden_size"):
+        fp32_config(source)
     config_file.write_text(json.dumps({**original, "hidden_act": "gelu"}))
     with pytest.raises(ConfigError, match="hidden_act='gelu'"):
         fp32_config(source)
@@ -165,6 +168,8 @@ def test_mismatched_or_unsupported_checkpoints_name_what_differs(tmp_path):
     config_file.write_text(json.dumps({**original, "model_type": "qwen2"}))
     with pytest.raises(ConfigError, match="missing 6 tensors .*q_proj.bias"):
         hf.load_params(source, fp32_config(source).model)
+
+    assert main(["export", str(tmp_path / "not_a_run"), str(tmp_path / "out")]) == 2
 
     (source / "model.safetensors").unlink()
     config_file.write_text(json.dumps(original))

@@ -225,8 +225,11 @@ def _weight_map(folder: Path) -> dict[str, Path]:
     if single.is_file():
         from safetensors import safe_open
 
-        with safe_open(single, framework="numpy") as f:
-            return {name: single for name in f.keys()}
+        try:
+            with safe_open(single, framework="numpy") as f:
+                return {name: single for name in f.keys()}
+        except Exception as e:  # noqa: BLE001 - truncated or corrupt header
+            raise CheckpointFormatError(f"cannot read {single}: {type(e).__name__}: {e}") from e
     found = sorted(p.name for p in folder.iterdir())
     raise CheckpointFormatError(
         f"{folder} has neither {WEIGHTS} nor {INDEX} (found: {', '.join(found[:8])}); only "
@@ -271,9 +274,13 @@ def load_params(path: str | Path, cfg: ModelConfig, put: Callable = lambda tree:
 
         def read(name: str, transposed: bool, spec) -> np.ndarray:
             file = weight_map[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
-            stored = handles[file].get_tensor(name)
+            try:
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+                stored = handles[file].get_tensor(name)
+            except Exception as e:  # noqa: BLE001 - missing, truncated or corrupt file
+                raise CheckpointFormatError(f"cannot read {name} from {file}: "
+                                            f"{type(e).__name__}: {e}") from e
             want = spec.shape[::-1] if transposed else spec.shape  # as torch stores it
             if stored.shape != want:
                 raise CheckpointFormatError(f"{name} in {file} has shape {list(stored.shape)}; "

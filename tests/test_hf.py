@@ -171,6 +171,12 @@ def test_mismatched_or_unsupported_checkpoints_name_what_differs(tmp_path):
 
     assert main(["export", str(tmp_path / "not_a_run"), str(tmp_path / "out")]) == 2
 
+    config_file.write_text(json.dumps(original))
+    weights = source / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # truncated
+    with pytest.raises(ConfigError, match="cannot read .*model.safetensors: SafetensorError"):
+        hf.load_params(source, fp32_config(source).model)
+
     (source / "model.safetensors").unlink()
     config_file.write_text(json.dumps(original))
     with pytest.raises(ConfigError, match="neither model.safetensors nor"):

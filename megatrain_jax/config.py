@@ -149,6 +149,7 @@ class LoopConfig:
     tensorboard: str = "auto"  # event files in RUN_DIR/tensorboard: auto (when installed), on, off
     eval_every: int = 0  # steps between evaluations on the validation split; 0: none
     eval_batches: int = 4  # batches per evaluation (the same ones every time)
+    export_dir: str = ""  # a new folder: the final weights as a Hugging Face model; "": none
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 
 from megatrain_jax import hf, model, optim
 from megatrain_jax.checkpoint import Checkpointer, CheckpointError
-from megatrain_jax.config import Config, load_run_config, save_config, to_dict
+from megatrain_jax.config import Config, ConfigError, load_run_config, save_config, to_dict
 from megatrain_jax.data import TokenSource
 from megatrain_jax.engine import StreamEngine, StreamState, llama_templates
 from megatrain_jax.progress import Progress
@@ -163,6 +163,9 @@ def train(cfg: Config, log=None) -> dict:
     run_dir = Path(cfg.loop.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.json")
+    if cfg.loop.export_dir and Path(cfg.loop.export_dir).exists():
+        raise ConfigError(f"loop.export_dir {cfg.loop.export_dir} already exists; name a new "
+                          "folder for the exported model.")
     data = TokenSource(cfg)
     val = TokenSource(cfg, "val") if cfg.loop.eval_every else None
     trainer = make_trainer(cfg)
@@ -248,6 +251,8 @@ def train(cfg: Config, log=None) -> dict:
         state.wait()
     if not history:
         raise RuntimeError("no step ran")
+    if cfg.loop.export_dir:
+        _export(state.params, cfg, cfg.loop.export_dir, None, cfg.loop.progress)
     return {
         "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
         "tokens_per_s": history[-1]["tokens_per_s"], "skipped_steps": int(skipped),
@@ -269,14 +274,19 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     if step is None:
         raise CheckpointError(f"{run_dir / 'checkpoints'} holds no complete checkpoint; train "
                               "with loop.checkpoint_every=N to write some.")
-    source = cfg.model.hf_path if cfg.model.hf_path and Path(cfg.model.hf_path).is_dir() else None
-    if dtype is None:
-        source_config = hf.read_hf_config(source) if source else {}
-        dtype = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
     trainer = make_trainer(cfg)
     tree, _ = ckpt.restore(step, trainer.abstract_state())
     ckpt.close()
     params = tree["params"] if isinstance(tree, dict) else tree.params
+    return _export(params, cfg, out_dir, dtype, progress)
+
+
+def _export(params: dict, cfg: Config, out_dir, dtype: str | None, progress: str) -> Path:
+    """Writes `params` as a Hugging Face folder, in the source checkpoint's dtype by default."""
+    source = cfg.model.hf_path if cfg.model.hf_path and Path(cfg.model.hf_path).is_dir() else None
+    if dtype is None:
+        source_config = hf.read_hf_config(source) if source else {}
+        dtype = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
     itemsize = 2 if dtype in ("bfloat16", "float16") else 4
     bar = Progress(len(hf.shard_plan(cfg.model, itemsize)), progress, label="export")
     out = hf.save_params(params, cfg.model, out_dir, dtype=dtype, source=source, progress=bar)

@@ -116,7 +116,8 @@ def test_stream_training_from_hf_then_cli_export(tmp_path, capsys):
     cfg = load_config(None, [f"model.hf_path={source}", "model.compute_dtype=float32",
                              "model.attention=xla", "data.source=random", "data.seq_len=16",
                              "data.batch_size=2", "loop.steps=2", "loop.checkpoint_every=2",
-                             f"loop.run_dir={run_dir}", "loop.progress=plain", "optim.lr=1e-2"])
+                             f"loop.run_dir={run_dir}", "loop.progress=plain", "optim.lr=1e-2",
+                             f"loop.export_dir={tmp_path / 'final'}"])
     state = initial_state(cfg, make_trainer(cfg))
     assert memory_kinds(state.params) == {"pinned_host"}
     on_device = lambda params: jax.tree.map(np.asarray, params)  # noqa: E731
@@ -132,6 +133,10 @@ def test_stream_training_from_hf_then_cli_export(tmp_path, capsys):
     ours = np.asarray(model.logits(on_device(trained), TOKENS, cfg.model))
     assert np.max(np.abs(ours - imported)) > 1e-3  # training moved the weights
     assert np.max(np.abs(hf_logits(out) - ours)) <= 1e-4
+    # loop.export_dir wrote the same final weights when training ended.
+    assert np.max(np.abs(hf_logits(tmp_path / "final") - ours)) <= 1e-4
+    with pytest.raises(ConfigError, match="loop.export_dir .* already exists"):
+        train(cfg)
 
 
 def test_mismatched_or_unsupported_checkpoints_name_what_differs(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from megatrain_jax import plan as planner
 from megatrain_jax.config import ConfigError, load_config, load_run_config, shipped_configs
@@ -116,7 +117,7 @@ def _plan_rates(args, cfg):
 
     if args.rates:
         try:
-            result = json.loads(open(args.rates).read())
+            result = json.loads(Path(args.rates).read_text())
             fields = {f: result["roofline"][f] for f in roofline.Rates.__dataclass_fields__}
             measured_tokens = result["tokens_per_step"]
         except (OSError, ValueError, KeyError) as e:

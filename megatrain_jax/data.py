@@ -88,6 +88,8 @@ class TokenSource:
         d, vocab = cfg.data, cfg.model.vocab_size
         self.tokens = self.loss_mask = self.examples = None
         self.kind = "text"
+        self._epochs: list = []  # training rows of each epoch, packed when first needed
+        self._val_rows: list | None = None
         if d.source == "random":
             return
         source = Path(d.source)
@@ -199,13 +201,11 @@ class TokenSource:
     def _rows(self, step: int) -> list[list[int]]:
         d = self.cfg.data
         if self.split == "val":  # no shuffling: the same rows at every eval
-            if not hasattr(self, "_val_rows"):
+            if self._val_rows is None:
                 self._val_rows = self._pack(np.arange(len(self.examples)))
             rows = self._val_rows
             return [rows[(step * d.batch_size + b) % len(rows)] for b in range(d.batch_size)]
         # Training rows: epoch after epoch, each a fresh permutation packed anew.
-        if not hasattr(self, "_epochs"):
-            self._epochs = []
         first = step * d.batch_size
         out, seen, epoch = [], 0, 0
         while len(out) < d.batch_size:

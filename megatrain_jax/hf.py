@@ -212,6 +212,15 @@ def tensor_names(cfg: ModelConfig) -> dict:
     return names
 
 
+def _part_shapes(cfg: ModelConfig) -> dict:
+    """{part name: its abstract pytree}, in the order of `tensor_names`."""
+    from megatrain_jax import model
+
+    layer = model.abstract_layer(cfg)
+    return {"embed": model.abstract_embed(cfg), **{f"layers.{i}": layer for i in range(cfg.layers)},
+            "head": model.abstract_head(cfg)}
+
+
 def _weight_map(folder: Path) -> dict[str, Path]:
     """{tensor name: file} for a single-file or sharded safetensors checkpoint."""
     index = folder / INDEX
@@ -260,14 +269,11 @@ def load_params(path: str | Path, cfg: ModelConfig, put: Callable = lambda tree:
     import numpy as np
     from safetensors import safe_open
 
-    from megatrain_jax import model
-
     folder = Path(path)
     weight_map = _weight_map(folder)
     expected = tensor_names(cfg)
     _check_names(weight_map, expected, folder)
-    shapes = {"embed": model.abstract_embed(cfg), "head": model.abstract_head(cfg)}
-    layer_shapes = model.abstract_layer(cfg)
+    shapes = _part_shapes(cfg)
     params = {"embed": None, "layers": [], "head": None}
     with ExitStack() as stack:
         handles = {}
@@ -288,7 +294,7 @@ def load_params(path: str | Path, cfg: ModelConfig, put: Callable = lambda tree:
             return np.ascontiguousarray(stored.T if transposed else stored, dtype=np.float32)
 
         for done, (part, fields) in enumerate(expected.items(), 1):
-            spec_tree = layer_shapes if part.startswith("layers.") else shapes[part]
+            spec_tree = shapes[part]
             values = {f: read(hf, t, getattr(spec_tree, f)) for f, (hf, t) in fields.items()}
             tree = put(type(spec_tree)(**values))  # fields not read stay None
             if part.startswith("layers."):
@@ -308,14 +314,10 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str | Path, dtype: str 
     The folder is written under a temporary name and renamed when complete. Files beside the
     source checkpoint's weights (tokenizer, generation config) are copied along.
     """
-    import ml_dtypes
     import numpy as np
     from safetensors.numpy import save_file
 
-    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
-                "float16": np.float16}.get(dtype)
-    if np_dtype is None:
-        raise ConfigError(f"export dtype '{dtype}' is not one of float32, bfloat16, float16.")
+    np_dtype = _numpy_dtype(dtype)
     out = Path(out_dir)
     if out.exists():
         raise ConfigError(f"{out} already exists; export into a new folder.")
@@ -325,7 +327,7 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str | Path, dtype: str 
 
     trees = {"embed": params["embed"], "head": params["head"],
              **{f"layers.{i}": p for i, p in enumerate(params["layers"])}}
-    plan = shard_plan(cfg, np.dtype(np_dtype).itemsize, max_shard_bytes)
+    plan = shard_plan(cfg, dtype, max_shard_bytes)
     total_bytes, weight_map = 0, {}
     for k, shard in enumerate(plan, 1):
         file = WEIGHTS if len(plan) == 1 else f"model-{k:05d}-of-{len(plan):05d}.safetensors"
@@ -352,21 +354,30 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str | Path, dtype: str 
     return out
 
 
-def shard_plan(cfg: ModelConfig, itemsize: int, max_shard_bytes: int = 5 * 2**30) -> list:
+def _numpy_dtype(dtype: str):
+    import ml_dtypes
+    import numpy as np
+
+    found = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
+             "float16": np.float16}.get(dtype)
+    if found is None:
+        raise ConfigError(f"export dtype '{dtype}' is not one of float32, bfloat16, float16.")
+    return np.dtype(found)
+
+
+def shard_plan(cfg: ModelConfig, dtype: str, max_shard_bytes: int = 5 * 2**30) -> list:
     """Tensors per file, in order: [[(part, field, hf name, transposed), ...], ...].
 
-    Planned from shapes alone, so that each file's name can carry the count.
+    Planned from shapes alone, so that each file's name (and a progress bar) can know the
+    count before anything is written.
     """
-    from megatrain_jax import model
-
-    specs = {"embed": model.abstract_embed(cfg), "head": model.abstract_head(cfg)}
-    layer = model.abstract_layer(cfg)
+    itemsize = _numpy_dtype(dtype).itemsize
+    shapes = _part_shapes(cfg)
     plan, size = [[]], 0
     for part, fields in tensor_names(cfg).items():
         for field, (hf, transposed) in fields.items():
-            shape = getattr(specs.get(part, layer), field).shape
             n = itemsize
-            for dim in shape:
+            for dim in getattr(shapes[part], field).shape:
                 n *= dim
             if plan[-1] and size + n > max_shard_bytes:
                 plan.append([])

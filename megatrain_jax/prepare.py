@@ -75,12 +75,7 @@ def _token_text(token):
 
 
 def load_tokenizer(name: str):
-    if name == "bytes":
-        tokenizer = ByteTokenizer()
-        tokenizer.name, tokenizer.bos_id, tokenizer.eos_id = "bytes", None, None
-        tokenizer.chat_template = None
-        return tokenizer
-    return HFTokenizer(name)
+    return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
 
 
 def _documents(files: list[Path]):
@@ -176,27 +171,14 @@ def _encode(record: dict, kind: str, tokenizer, where: str) -> tuple[np.ndarray,
     return tokens, mask
 
 
-def prepare(inputs: list[str], out_dir: str | Path, tokenizer: str = "bytes",
-            progress: str = "auto") -> dict:
-    """Tokenizes `inputs` (paths or glob patterns) into `out_dir`; returns its meta.json."""
-    files = sorted({Path(p) for pattern in inputs for p in (glob.glob(pattern) or [pattern])})
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise ConfigError(f"prepare: no such input file: {', '.join(missing[:5])}.")
-    out = Path(out_dir)
-    if out.exists():
-        raise ConfigError(f"prepare: {out} already exists; write into a new folder.")
-    tok = load_tokenizer(tokenizer)
-    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-
+def _write_tokens(files: list[Path], tok, dtype, folder: Path, progress: str):
+    """Appends every document's tokens and mask to the folder's files; returns (kind,
+    document starts, trained tokens). Raises before returning if nothing can be trained."""
     total_bytes = sum(f.stat().st_size for f in files)
     bar = Progress(total_bytes, progress, label="prepare")
     kind, starts, count, trained = None, [0], 0, 0
-    with open(tmp / "tokens.bin", "wb") as tokens_file, \
-            open(tmp / "loss_mask.bin", "wb") as mask_file:
+    with open(folder / "tokens.bin", "wb") as tokens_file, \
+            open(folder / "loss_mask.bin", "wb") as mask_file:
         for record, where, done in _documents(files):
             this = _kind(record, where)
             if kind is None:
@@ -214,13 +196,36 @@ def prepare(inputs: list[str], out_dir: str | Path, tokenizer: str = "bytes",
                 bar.update(done, {"documents": len(starts) - 1, "tokens": count})
     bar.close()
     if count == 0:
-        shutil.rmtree(tmp)
         raise ConfigError(f"prepare: {', '.join(map(str, files[:3]))} hold no text.")
     if kind == "sft" and trained == 0:
-        shutil.rmtree(tmp)
         raise ConfigError("prepare: no instruction example has a response to train on.")
     if kind == "text":
-        (tmp / "loss_mask.bin").unlink()  # every token counts
+        (folder / "loss_mask.bin").unlink()  # every token counts
+    return kind, starts, trained
+
+
+def prepare(inputs: list[str], out_dir: str | Path, tokenizer: str = "bytes",
+            progress: str = "auto") -> dict:
+    """Tokenizes `inputs` (paths or glob patterns) into `out_dir`; returns its meta.json."""
+    files = sorted({Path(p) for pattern in inputs for p in (glob.glob(pattern) or [pattern])})
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ConfigError(f"prepare: no such input file: {', '.join(missing[:5])}.")
+    out = Path(out_dir)
+    if out.exists():
+        raise ConfigError(f"prepare: {out} already exists; write into a new folder.")
+    tok = load_tokenizer(tokenizer)
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+    try:
+        kind, starts, trained = _write_tokens(files, tok, dtype, tmp, progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written folder is left behind
+        raise
+    count = starts[-1]
     np.save(tmp / "documents.npy", np.asarray(starts, np.int64))
     meta = {"format": META, "kind": kind, "dtype": np.dtype(dtype).name, "tokens": count,
             "documents": len(starts) - 1, "trained_tokens": trained,

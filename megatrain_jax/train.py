@@ -287,8 +287,7 @@ def _export(params: dict, cfg: Config, out_dir, dtype: str | None, progress: str
     if dtype is None:
         source_config = hf.read_hf_config(source) if source else {}
         dtype = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
-    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
-    bar = Progress(len(hf.shard_plan(cfg.model, itemsize)), progress, label="export")
+    bar = Progress(len(hf.shard_plan(cfg.model, dtype)), progress, label="export")
     out = hf.save_params(params, cfg.model, out_dir, dtype=dtype, source=source, progress=bar)
     bar.close()
     return out

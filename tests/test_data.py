@@ -232,6 +232,7 @@ def test_data_errors_before_training(tmp_path, sft_folder):
     mixed = write_jsonl(tmp_path / "m.jsonl", [{"text": "a"}, PAIRS[0]])
     with pytest.raises(ConfigError, match="m.jsonl:2: a sft record among text records"):
         prepare([str(mixed)], tmp_path / "m", progress="none")
+    assert not (tmp_path / "m.partial").exists()  # an error leaves no half-written folder
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
     with pytest.raises(ConfigError, match="bad.jsonl:2 is not valid JSON"):
         prepare([str(tmp_path / "bad.jsonl")], tmp_path / "b", progress="none")

@@ -30,7 +30,8 @@ def main(out: Path) -> None:
         peers[r["shape"]] = r
         print(f"peer {r['peer']} {r['shape']}: {r['tokens_per_s']:.0f} tok/s, "
               f"{r['peak_device_gib']:.1f} GiB GPU, {r['host_bytes_per_param']:.1f} B/param host")
-    print(f"{'run':30s} {'tok/s':>7s} {'step s':>6s} {'bound':>6s} {'ratio':>5s} {'MFU':>5s} "
+    print(f"{'run':30s} {'tok/s':>7s} {'step s':>6s} {'bound':>6s} {'ratio':>5s} {'best':>5s} "
+          f"{'MFU':>5s} "
           f"{'GPU GiB':>7s} {'B/p':>5s} {'vs peer':>7s}  losses / phases")
     for f in sorted(out.glob("step_*.json")):
         for r in _runs(f):
@@ -41,6 +42,7 @@ def main(out: Path) -> None:
             name = f"{r['config']} {r['tokens_per_step'] // 1024}k {r.get('update', '')}"
             print(f"{name:30s} {r['tokens_per_s']:7.0f} {r['median_step_s']:6.2f} "
                   f"{roof.get('step_s', 0):6.2f} {roof.get('ratio', 0):5.2f} "
+                  f"{roof.get('ratio_best_rate', 0):5.2f} "
                   f"{(r['mfu'] or 0):5.3f} {r['peak_device_gib']:7.2f} "
                   f"{r['host_bytes_per_param']:5.1f} {vs:>7s}  "
                   f"{r['losses'][0]:.2f}->{r['losses'][-1]:.2f} "

@@ -126,6 +126,10 @@ class _PendingUpdate:
     def seconds(self) -> float:
         return self.finished - self.started
 
+    def written(self, part: int) -> bool:
+        """Whether part `part` (0 embed, 1..L layers, L+1 head) is written, without waiting."""
+        return self.done[part].is_set()
+
     def wait(self, part: int = -1) -> None:
         """Waits for part `part` (0 embed, 1..L layers, L+1 head; -1 all)."""
         self.done[part].wait()
@@ -133,15 +137,20 @@ class _PendingUpdate:
             raise RuntimeError("the host optimizer update failed") from self.error
 
 
-def _prefetched(items: Iterable, fetch: Callable, depth: int) -> Iterator:
+def _prefetched(items: Iterable, fetch: Callable, depth: int,
+                available: Callable[[object], bool] | None = None) -> Iterator:
     """Yields fetch(item) in order, having issued the next `depth` fetches before each yield.
 
     The caller's compute on the yielded value is dispatched after the later transfers are
-    queued, which is the order in which transfers and compute overlap fully.
+    queued, which is the order in which transfers and compute overlap fully. When
+    `available(item)` is false, fetching the item would block (its host update still runs):
+    the fetches already issued are yielded first, so their compute is queued before the wait.
     """
     pending = collections.deque()
-    items = iter(items)
     for item in items:
+        if available is not None and not available(item):
+            while pending:
+                yield pending.popleft()
         pending.append(fetch(item))
         if len(pending) > depth:
             yield pending.popleft()
@@ -330,12 +339,13 @@ class StreamEngine:
             xs = self._layer_fwd(weights, xs, batch)
 
     def forward_backward(self, params: dict, batch: dict,
-                         ready: Callable[[int], None] | None = None):
+                         pending: _PendingUpdate | None = None):
         """Streams one step's forward and backward.
 
-        `ready(k)` is called before part k (0 embed, 1..L layers, L+1 head) is first fetched:
-        the hook through which the forward waits for the previous step's host update.
-        Returns (loss, host gradients in the parts layout, squared global norm, skip, scale).
+        `pending` is the previous step's host update, still running: the forward waits for
+        each part's update just before fetching it, and queues the compute it already can
+        before each such wait. Returns (loss, host gradients in the parts layout, squared
+        global norm, skip, scale).
         """
         place, num_layers = self.place, len(params["layers"])
         names = ["embed", *(f"layer {i}" for i in range(num_layers)), "head"]
@@ -343,11 +353,14 @@ class StreamEngine:
 
         def fetch_part(k_tree):
             k, tree = k_tree
-            if ready is not None:
+            if pending is not None:
                 start = time.perf_counter()
-                ready(k)
+                pending.wait(k)
                 self._waited("update", start)
             return self._track("h2d", names[k], place.to_device(tree))
+
+        def available(k_tree):
+            return pending is None or pending.written(k_tree[0])
 
         self._phase_start = time.perf_counter()
         batch, denom = self._on_device(batch)
@@ -358,7 +371,7 @@ class StreamEngine:
         xs = self._track("compute", "embed", self._embed_fwd(embed_params, batch))
         saved = []
         offloads = _InFlight(self.depth, self)
-        for i, weights in enumerate(_prefetched(stream, fetch_part, self.depth)):
+        for i, weights in enumerate(_prefetched(stream, fetch_part, self.depth, available)):
             if i == num_layers:
                 head_params = weights
                 break
@@ -403,9 +416,9 @@ class StreamEngine:
 
     def train_step(self, state: StreamState, batch: dict) -> tuple[StreamState, dict]:
         start = time.perf_counter()
-        ready = state.pending.wait if state.pending is not None else None
         # The forward waits for each part's pending update just before fetching it.
-        loss, grads, sq, skip, scale = self.forward_backward(state._params, batch, ready)
+        loss, grads, sq, skip, scale = self.forward_backward(state._params, batch,
+                                                             state.pending)
         state.wait()
         if state.pending is not None:  # the update that overlapped this step's forward
             self.timings["update_s"] = state.pending.seconds

@@ -9,11 +9,18 @@ compute, weight traffic, gradient traffic and optimizer time. `step_s` is the bo
 exact schedule this engine runs: global-norm clipping needs every gradient before any
 update, and the next forward needs each layer's update, so a step is at best
 
-    forward  = max(forward compute, one weight pass H2D, host optimizer)   (paced by updates)
-  + backward = max(backward compute, one weight pass H2D, gradients D2H)
+    forward  = max(layers' forward compute, one weight pass H2D, host optimizer)
+  + head     = head forward and backward, embedding backward
+  + backward = max(layers' backward compute, one weight pass H2D, gradients D2H)
 
-With the update on the device (`stream.update=device`) the optimizer is serial instead:
-forward + backward + optimizer.
+The head term is serial whatever the schedule: the head computes on the last layer's output
+with its own updated weights, so it follows the last part's update, and the backward starts
+from its gradient; the embedding's backward needs layer 0's. With the update on the device
+(`stream.update=device`) the optimizer is serial too: forward + head + backward + optimizer.
+
+The optimizer's rate is the one input the link and the GPU do not set: measured on a sample
+(`measure`), or, better, as the median time of this model's own whole update timed alone
+(bench_step.py's synced phases).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ class Rates:
     d2h_gbps: float  # device -> pinned_host
     layer_forward_s: float  # one layer, this step's tokens, weights resident
     layer_backward_s: float  # one layer: recompute + VJP
-    head_s: float  # embed forward + head forward/backward + embed backward
+    head_s: float  # head forward/backward + embedding backward: serial with the passes
     optimizer_gparams: float  # optimizer update rate, G params/s
     overlapped_update: bool = True  # host update overlapping the next forward
 
@@ -42,19 +49,21 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4) -> dict:
     p = model.num_params
     weight_pass = bytes_per_param * p / (rates.h2d_gbps * 1e9)
     gradients = bytes_per_param * p / (rates.d2h_gbps * 1e9)
-    forward = model.layers * rates.layer_forward_s + rates.head_s
+    forward = model.layers * rates.layer_forward_s
     backward = model.layers * rates.layer_backward_s
+    head = rates.head_s
     optimizer = p / (rates.optimizer_gparams * 1e9)
-    ideal = max(forward + backward, 2 * weight_pass, gradients, optimizer)
+    ideal = max(forward + head + backward, 2 * weight_pass, gradients, optimizer)
     if rates.overlapped_update:
-        step = max(forward, weight_pass, optimizer) + max(backward, weight_pass, gradients)
+        step = max(forward, weight_pass, optimizer) + head + max(backward, weight_pass, gradients)
     else:
-        step = max(forward, weight_pass) + max(backward, weight_pass, gradients) + optimizer
+        step = (max(forward, weight_pass) + head + max(backward, weight_pass, gradients)
+                + optimizer)
     return {
-        "compute_forward_s": forward, "compute_backward_s": backward,
+        "compute_forward_s": forward, "compute_head_s": head, "compute_backward_s": backward,
         "h2d_per_pass_s": weight_pass, "d2h_s": gradients, "optimizer_s": optimizer,
         "ideal_s": ideal, "step_s": step,
-        "limited_by": _limit(forward, backward, weight_pass, gradients, optimizer),
+        "limited_by": _limit(forward + head, backward, weight_pass, gradients, optimizer),
     }
 
 
@@ -106,8 +115,9 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     """The rates, measured on this model's own layers and templates, and the bound.
 
     `state` may hold fewer layers than `cfg.model` (a few suffice); the bound is for
-    `cfg.model`. `optimizer_gparams`, when higher than the standalone measurement, is taken
-    (the rate seen inside real steps).
+    `cfg.model`. The optimizer's rate is `optimizer_gparams` when given (this model's own
+    update, timed by the caller), else that of an update of a 64M-parameter sample; the
+    sample's rate is reported either way (`optimizer_sample_gparams`).
     """
     import jax
     import jax.numpy as jnp
@@ -129,16 +139,16 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     backward = median_seconds(
         lambda: block(engine._layer_bwd(weights, xs, jnp.ones_like(xs), b, zero)))
 
-    def head_and_embed():
-        x = engine._embed_fwd(embed, b)
-        _, dxs, _, dembed, sq = engine._head(head, embed, x, b, denom)
+    def head_and_embed_backward():  # the serial work: it follows the last update
+        _, dxs, _, dembed, sq = engine._head(head, embed, xs, b, denom)
         block(engine._embed_bwd(embed, b, dxs, dembed, sq))
 
-    head_s = median_seconds(head_and_embed)
-    rate = max(_optimizer_rate(engine), optimizer_gparams)
+    head_s = median_seconds(head_and_embed_backward)
+    sample = _optimizer_rate(engine)
     rates = Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s,
-                           rate, overlapped_update=engine.host_opt is not None)
-    return {**dataclasses.asdict(rates), **bound(cfg.model, rates)}
+                  optimizer_gparams or sample, overlapped_update=engine.host_opt is not None)
+    return {**dataclasses.asdict(rates), **bound(cfg.model, rates),
+            "optimizer_sample_gparams": sample}
 
 
 def _optimizer_rate(engine, mparams: int = 64) -> float:

@@ -39,8 +39,8 @@ def main(source: Path, target: Path) -> None:
     speed.legend(fontsize=8)
     speed.grid(alpha=0.3)
 
-    parts = {"compute (fwd + bwd)": [b["compute_forward_s"] + b["compute_backward_s"]
-                                     for b in roof],
+    parts = {"compute (fwd + head + bwd)": [b["compute_forward_s"] + b.get("compute_head_s", 0)
+                                            + b["compute_backward_s"] for b in roof],
              "H2D (two weight passes)": [2 * b["h2d_per_pass_s"] for b in roof],
              "D2H (gradients)": [b["d2h_s"] for b in roof],
              "host optimizer": [b["optimizer_s"] for b in roof]}

@@ -130,7 +130,7 @@ def run(cfg, trainer, state, args):
         roofline = measure(cfg, engine, state, data.batch_at(0),
                            statistics.median(in_step) if in_step else 0.0)
         best = dataclasses.replace(
-            Rates(**{f: roofline[f] for f in Rates.__dataclass_fields__}),
+            Rates.from_result(roofline),
             optimizer_gparams=max(roofline["optimizer_gparams"],
                                   roofline["optimizer_sample_gparams"]))
         roofline["step_s_best_rate"] = bound(cfg.model, best)["step_s"]

@@ -20,9 +20,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not match the model."""
+from megatrain_jax.config import CheckpointError  # noqa: F401  (raised here, named here)
 
 
 class Checkpointer:

@@ -20,7 +20,13 @@ import sys
 from pathlib import Path
 
 from megatrain_jax import plan as planner
-from megatrain_jax.config import ConfigError, load_config, load_run_config, shipped_configs
+from megatrain_jax.config import (
+    CheckpointError,
+    ConfigError,
+    load_config,
+    load_run_config,
+    shipped_configs,
+)
 
 EPILOG = """\
 CONFIG is a shipped config name (see `megatrain-jax configs`) or a .json/.gin file.
@@ -49,13 +55,7 @@ def cmd_train(args) -> int:
         f"device={jax.devices()[0].device_kind}, run_dir={cfg.loop.run_dir}",
         file=sys.stderr,
     )
-    from megatrain_jax.checkpoint import CheckpointError
-
-    try:
-        summary = train(cfg)
-    except CheckpointError as e:
-        print(f"megatrain-jax: checkpoint error: {e}", file=sys.stderr)
-        return 3
+    summary = train(cfg)
     summary.pop("state")
     print(json.dumps(summary))
     return 0
@@ -118,11 +118,10 @@ def _plan_rates(args, cfg):
     if args.rates:
         try:
             result = json.loads(Path(args.rates).read_text())
-            fields = {f: result["roofline"][f] for f in roofline.Rates.__dataclass_fields__}
+            rates = roofline.Rates.from_result(result["roofline"])
             measured_tokens = result["tokens_per_step"]
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"--rates {args.rates}: not a bench_step.py result ({e}).") from e
-        rates = roofline.Rates(**fields)
         return roofline.scaled(rates, cfg.data.tokens_per_step / measured_tokens)
     if not args.measure:
         return None
@@ -134,14 +133,9 @@ def _plan_rates(args, cfg):
 
 def cmd_export(args) -> int:
     planner.set_pool_env(load_run_config(args.run_dir))  # the state is restored to the host
-    from megatrain_jax.checkpoint import CheckpointError
     from megatrain_jax.train import export_run  # starts JAX
 
-    try:
-        out = export_run(args.run_dir, args.out_dir, args.step, args.dtype, args.progress)
-    except CheckpointError as e:
-        print(f"megatrain-jax: checkpoint error: {e}", file=sys.stderr)
-        return 3
+    out = export_run(args.run_dir, args.out_dir, args.step, args.dtype, args.progress)
     print(f"wrote {out} (load it with transformers' AutoModelForCausalLM.from_pretrained)")
     return 0
 
@@ -241,6 +235,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"megatrain-jax: config error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"megatrain-jax: checkpoint error: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

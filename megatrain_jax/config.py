@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message says which and what would be right."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not match the model. (Defined
+    here, beside ConfigError, so the CLI can name both without importing orbax or JAX.)"""
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequency scaling. `llama3` is Llama-3.1's band-wise scaling; `linear` divides."""

@@ -43,6 +43,11 @@ class Rates:
     optimizer_gparams: float  # optimizer update rate, G params/s
     overlapped_update: bool = True  # host update overlapping the next forward
 
+    @classmethod
+    def from_result(cls, result: dict) -> "Rates":
+        """The rates inside a dict that holds them with more (measure's, bench_step's)."""
+        return cls(**{f.name: result[f.name] for f in dataclasses.fields(cls)})
+
 
 def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4) -> dict:
     """Seconds per component and both bounds, for one step of `model` at the given rates."""

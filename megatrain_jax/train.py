@@ -307,4 +307,4 @@ def measure_rates(cfg: Config):
     trainer = StreamTrainer(small)
     state = trainer.init(jax.random.key(0))
     measured = roofline.measure(cfg, trainer.engine, state, TokenSource(small).batch_at(0))
-    return roofline.Rates(**{f: measured[f] for f in roofline.Rates.__dataclass_fields__})
+    return roofline.Rates.from_result(measured)

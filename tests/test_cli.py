@@ -58,3 +58,13 @@ def test_plan_and_configs(capsys):
 def test_report_command_errors_clearly(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_a_checkpoint_error_is_named_and_exits_3(tmp_path, capsys):
+    """Any command's CheckpointError reaches the user as one line and exit status 3."""
+    from megatrain_jax.config import load_config, save_config
+
+    save_config(load_config("tiny"), tmp_path / "config.json")  # a run with no checkpoint
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("megatrain-jax: checkpoint error:") and "no complete checkpoint" in err

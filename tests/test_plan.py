@@ -79,7 +79,7 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
                  "largest shipped shape that fits this machine: 7b"):
         assert part in out, part
     measured = json.loads(BENCH_7B.read_text())["roofline"]
-    rates = roofline.Rates(**{f: measured[f] for f in roofline.Rates.__dataclass_fields__})
+    rates = roofline.Rates.from_result(measured)
     step_s = roofline.bound(load_config("7b").model, rates)["step_s"]
     assert f"step bound at these settings: {step_s:.3f} s" in out
     # The head is serial, so the layers' forward must outlast the paced stream alone: about

@@ -44,6 +44,9 @@ def main(source: Path, target: Path) -> None:
              "H2D (two weight passes)": [2 * b["h2d_per_pass_s"] for b in roof],
              "D2H (gradients)": [b["d2h_s"] for b in roof],
              "host optimizer": [b["optimizer_s"] for b in roof]}
+    if any(b.get("host_memory_forward_s") for b in roof):  # measured from session 5 on
+        parts["host memory (update + DMA)"] = [b["host_memory_forward_s"]
+                                              + b["host_memory_backward_s"] for b in roof]
     for name, seconds in parts.items():
         split.plot(tokens, seconds, "o-", label=name)
     split.plot(tokens, [r["median_step_s"] for r in runs], "k^-", label="achieved step")

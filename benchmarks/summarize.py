@@ -32,7 +32,8 @@ def main(out: Path) -> None:
               f"{r['peak_device_gib']:.1f} GiB GPU, {r['host_bytes_per_param']:.1f} B/param host")
     print(f"{'run':30s} {'tok/s':>7s} {'step s':>6s} {'bound':>6s} {'ratio':>5s} {'best':>5s} "
           f"{'MFU':>5s} "
-          f"{'GPU GiB':>7s} {'B/p':>5s} {'vs peer':>7s}  losses / phases")
+          f"{'GPU GiB':>7s} {'B/p':>5s} {'vs peer':>7s} {'hostGB/s':>8s} {'limit':>11s}"
+          "  losses / phases")
     for f in sorted(out.glob("step_*.json")):
         for r in _runs(f):
             roof = r.get("roofline") or {}
@@ -44,7 +45,8 @@ def main(out: Path) -> None:
                   f"{roof.get('step_s', 0):6.2f} {roof.get('ratio', 0):5.2f} "
                   f"{roof.get('ratio_best_rate', 0):5.2f} "
                   f"{(r['mfu'] or 0):5.3f} {r['peak_device_gib']:7.2f} "
-                  f"{r['host_bytes_per_param']:5.1f} {vs:>7s}  "
+                  f"{r['host_bytes_per_param']:5.1f} {vs:>7s} "
+                  f"{roof.get('host_memory_gbps', 0):8.0f} {roof.get('limited_by', '-'):>11s}  "
                   f"{r['losses'][0]:.2f}->{r['losses'][-1]:.2f} "
                   + " ".join(f"{k}={v:.2f}" for k, v in ph.items()))
 

@@ -9,18 +9,28 @@ compute, weight traffic, gradient traffic and optimizer time. `step_s` is the bo
 exact schedule this engine runs: global-norm clipping needs every gradient before any
 update, and the next forward needs each layer's update, so a step is at best
 
-    forward  = max(layers' forward compute, one weight pass H2D, host optimizer)
+    forward  = max(layers' forward compute, one weight pass H2D, host optimizer,
+                   host memory traffic of the update and the weight pass)
   + head     = head forward and backward, embedding backward
-  + backward = max(layers' backward compute, one weight pass H2D, gradients D2H)
+  + backward = max(layers' backward compute, one weight pass H2D, gradients D2H,
+                   host memory traffic of the weight pass and the gradients)
 
 The head term is serial whatever the schedule: the head computes on the last layer's output
 with its own updated weights, so it follows the last part's update, and the backward starts
 from its gradient; the embedding's backward needs layer 0's. With the update on the device
 (`stream.update=device`) the optimizer is serial too: forward + head + backward + optimizer.
 
+The host memory terms count bytes through the host's DRAM: during the forward the host
+update reads parameters, gradients and both moments and writes back three of them
+(`HOST_UPDATE_BYTES` per parameter) while the weight pass's DMA reads the weights; during the
+backward the DMA reads the weights again and writes the gradients. They share one memory, so
+neither phase can be shorter than its bytes over the host's bandwidth, however the update and
+the DMA are scheduled. Where the host's memory is slow, this term is the step.
+
 The optimizer's rate is the one input the link and the GPU do not set: measured on a sample
 (`measure`), or, better, as the median time of this model's own whole update timed alone
-(bench_step.py's synced phases).
+(bench_step.py's synced phases). The host's memory bandwidth is measured by an in-place
+streaming kernel, and taken as at least what the update itself moved.
 """
 
 from __future__ import annotations
@@ -32,6 +42,9 @@ import time
 
 from megatrain_jax.config import ModelConfig
 
+# Host memory bytes of the in-place AdamW per parameter: p, g, mu, nu read; p, mu, nu written.
+HOST_UPDATE_BYTES = 28
+
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
@@ -42,11 +55,14 @@ class Rates:
     head_s: float  # head forward/backward + embedding backward: serial with the passes
     optimizer_gparams: float  # optimizer update rate, G params/s
     overlapped_update: bool = True  # host update overlapping the next forward
+    host_memory_gbps: float = 0.0  # the host DRAM's bandwidth; 0: unknown, no such term
 
     @classmethod
     def from_result(cls, result: dict) -> "Rates":
-        """The rates inside a dict that holds them with more (measure's, bench_step's)."""
-        return cls(**{f.name: result[f.name] for f in dataclasses.fields(cls)})
+        """The rates inside a dict that holds them with more (measure's, bench_step's).
+        Fields with defaults may be missing (results of older versions)."""
+        return cls(**{f.name: result[f.name] for f in dataclasses.fields(cls)
+                      if f.name in result or f.default is dataclasses.MISSING})
 
 
 def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4) -> dict:
@@ -58,23 +74,39 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4) -> dict:
     backward = model.layers * rates.layer_backward_s
     head = rates.head_s
     optimizer = p / (rates.optimizer_gparams * 1e9)
-    ideal = max(forward + head + backward, 2 * weight_pass, gradients, optimizer)
+    host = _host_memory_seconds(p, rates, bytes_per_param)
+    ideal = max(forward + head + backward, 2 * weight_pass, gradients, optimizer,
+                host["forward"] + host["backward"])
+    backward_step = max(backward, weight_pass, gradients, host["backward"])
     if rates.overlapped_update:
-        step = max(forward, weight_pass, optimizer) + head + max(backward, weight_pass, gradients)
+        step = max(forward, weight_pass, optimizer, host["forward"]) + head + backward_step
     else:
-        step = (max(forward, weight_pass) + head + max(backward, weight_pass, gradients)
-                + optimizer)
+        step = max(forward, weight_pass) + head + backward_step + optimizer
     return {
         "compute_forward_s": forward, "compute_head_s": head, "compute_backward_s": backward,
         "h2d_per_pass_s": weight_pass, "d2h_s": gradients, "optimizer_s": optimizer,
+        "host_memory_forward_s": host["forward"], "host_memory_backward_s": host["backward"],
         "ideal_s": ideal, "step_s": step,
-        "limited_by": _limit(forward + head, backward, weight_pass, gradients, optimizer),
+        "limited_by": _limit(forward + head, backward, weight_pass, gradients, optimizer,
+                             host["forward"] + host["backward"]),
     }
 
 
-def _limit(forward, backward, weight_pass, gradients, optimizer) -> str:
+def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int) -> dict:
+    """Seconds of host DRAM traffic in the forward (the overlapped update and the weight pass)
+    and in the backward (the weight pass and the gradients); 0 where the bandwidth is unknown.
+    A device update is bound by the link, not by host memory, so it adds nothing here."""
+    if rates.host_memory_gbps <= 0:
+        return {"forward": 0.0, "backward": 0.0}
+    update = HOST_UPDATE_BYTES if rates.overlapped_update else 0
+    per_byte = params / (rates.host_memory_gbps * 1e9)
+    return {"forward": (update + bytes_per_param) * per_byte,
+            "backward": 2 * bytes_per_param * per_byte}
+
+
+def _limit(forward, backward, weight_pass, gradients, optimizer, host_memory) -> str:
     costs = {"compute": forward + backward, "h2d": 2 * weight_pass, "d2h": gradients,
-             "optimizer": optimizer}
+             "optimizer": optimizer, "host_memory": host_memory}
     return max(costs, key=costs.get)
 
 
@@ -89,13 +121,13 @@ def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int) -> int:
     b = bound(model, rates)
     forward_per_token = b["compute_forward_s"] / tokens
     backward_per_token = b["compute_backward_s"] / tokens
-    paced = b["h2d_per_pass_s"]
+    paced = max(b["h2d_per_pass_s"], b["host_memory_forward_s"])
     if rates.overlapped_update:
         paced = max(paced, b["optimizer_s"])
     if forward_per_token <= 0 or backward_per_token <= 0:
         return 0
-    return math.ceil(max(paced / forward_per_token,
-                         max(b["h2d_per_pass_s"], b["d2h_s"]) / backward_per_token))
+    backward_paced = max(b["h2d_per_pass_s"], b["d2h_s"], b["host_memory_backward_s"])
+    return math.ceil(max(paced / forward_per_token, backward_paced / backward_per_token))
 
 
 def scaled(rates: Rates, factor: float) -> Rates:
@@ -122,10 +154,14 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     `state` may hold fewer layers than `cfg.model` (a few suffice); the bound is for
     `cfg.model`. The optimizer's rate is `optimizer_gparams` when given (this model's own
     update, timed by the caller), else that of an update of a 64M-parameter sample; the
-    sample's rate is reported either way (`optimizer_sample_gparams`).
+    sample's rate is reported either way (`optimizer_sample_gparams`). The host memory's
+    bandwidth is the larger of a streaming kernel's (`host_memory_kernel_gbps`) and what the
+    host update moved at the optimizer's rate.
     """
     import jax
     import jax.numpy as jnp
+
+    from megatrain_jax import host_optim
 
     place, block = engine.place, jax.block_until_ready
     params = state.params
@@ -150,10 +186,16 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
 
     head_s = median_seconds(head_and_embed_backward)
     sample = _optimizer_rate(engine)
+    optimizer = optimizer_gparams or sample
+    overlapped = engine.host_opt is not None
+    # The host memory moved at least what the host update itself moved through it.
+    memory = host_optim.memory_gbps()
+    achieved = optimizer * HOST_UPDATE_BYTES if overlapped else 0.0
     rates = Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s,
-                  optimizer_gparams or sample, overlapped_update=engine.host_opt is not None)
+                  optimizer, overlapped_update=overlapped,
+                  host_memory_gbps=max(memory, achieved))
     return {**dataclasses.asdict(rates), **bound(cfg.model, rates),
-            "optimizer_sample_gparams": sample}
+            "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": memory}
 
 
 def _optimizer_rate(engine, mparams: int = 64) -> float:

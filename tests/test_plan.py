@@ -114,3 +114,38 @@ def test_the_head_is_serial_in_the_step_bound():
         longer = roofline.bound(cfg.model, dataclasses.replace(base, head_s=0.15))
         assert longer["step_s"] - b["step_s"] == pytest.approx(0.1)
         assert b["step_s"] >= b["optimizer_s"] + b["compute_head_s"] + b["compute_backward_s"]
+
+
+def test_host_memory_traffic_bounds_each_phase():
+    """The update and the weight pass share the host's memory in the forward, the weight pass
+    and the gradients in the backward: a phase lasts at least its bytes over that bandwidth."""
+    cfg = load_config("7b")
+    p = cfg.model.num_params
+    rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
+                           layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0)
+    unknown = roofline.bound(cfg.model, rates)  # no bandwidth measured: no such term
+    assert unknown["host_memory_forward_s"] == unknown["host_memory_backward_s"] == 0
+    slow = roofline.bound(cfg.model, dataclasses.replace(rates, host_memory_gbps=100))
+    forward_s = (roofline.HOST_UPDATE_BYTES + 4) * p / 100e9
+    assert slow["host_memory_forward_s"] == pytest.approx(forward_s)
+    assert forward_s > unknown["optimizer_s"]  # 32 bytes at 100 GB/s outlast 4 G params/s
+    assert slow["step_s"] - unknown["step_s"] == pytest.approx(forward_s - unknown["optimizer_s"])
+    # Slow enough, the backward's 8 bytes per parameter outlast its compute too.
+    slower = roofline.bound(cfg.model, dataclasses.replace(rates, host_memory_gbps=40))
+    backward_s = 8 * p / 40e9
+    assert backward_s > slower["compute_backward_s"]
+    assert slower["step_s"] == pytest.approx(
+        (roofline.HOST_UPDATE_BYTES + 4) * p / 40e9 + rates.head_s + backward_s)
+    assert slower["limited_by"] == "host_memory"
+    # An update on the device moves its bytes over the link, not through the host's update.
+    serial = roofline.bound(cfg.model, dataclasses.replace(rates, host_memory_gbps=100,
+                                                           overlapped_update=False))
+    assert serial["host_memory_forward_s"] == pytest.approx(4 * p / 100e9)
+
+
+def test_measured_host_memory_is_at_least_what_the_update_moved():
+    from megatrain_jax.train import measure_rates
+
+    rates = measure_rates(load_config("tiny"))
+    assert rates.overlapped_update
+    assert rates.host_memory_gbps >= rates.optimizer_gparams * roofline.HOST_UPDATE_BYTES > 0

@@ -136,6 +136,11 @@ def run(cfg, trainer, state, args):
             Rates.from_result(roofline), optimizer_gparams=best_rate,
             host_memory_gbps=max(roofline["host_memory_gbps"], moved))
         roofline["step_s_best_rate"] = bound(cfg.model, best)["step_s"]
+        # The bound of sessions 2-4, without the host memory's traffic, for comparison.
+        roofline["step_s_no_host_memory"] = bound(
+            cfg.model, dataclasses.replace(Rates.from_result(roofline), host_memory_gbps=0.0)
+        )["step_s"]
+        roofline["ratio_no_host_memory"] = step_s / roofline["step_s_no_host_memory"]
         roofline["ratio"] = step_s / roofline["step_s"]
         roofline["ratio_best_rate"] = step_s / roofline["step_s_best_rate"]
         roofline["ratio_to_ideal"] = step_s / roofline["ideal_s"]

@@ -348,7 +348,7 @@ class StreamEngine:
         global norm, skip, scale).
         """
         place, num_layers = self.place, len(params["layers"])
-        names = ["embed", *(f"layer {i}" for i in range(num_layers)), "head"]
+        names = _part_names(num_layers)
         self.timings = {"wait_update_s": 0.0, "wait_d2h_s": 0.0}
 
         def fetch_part(k_tree):
@@ -453,8 +453,7 @@ class StreamEngine:
                                                   host_store.parts(grads),
                                                   host_store.parts(state._opt_state))
             ]
-            names = [name for name, _ in host_store.parts(grads)]
-            pending = _PendingUpdate(work, names, self.timeline)
+            pending = _PendingUpdate(work, _part_names(len(grads["layers"])), self.timeline)
         new_state = StreamState(state._params, state._opt_state, state.step + 1, pending)
         if self.measure_phases:
             new_state.wait()
@@ -470,7 +469,8 @@ class StreamEngine:
         )
         params = host_store.map_parts(lambda pair: pair[0], pairs)
         opt_state = host_store.map_parts(lambda pair: pair[1], pairs)
-        for name, part in host_store.parts(params):
+        names = _part_names(len(params["layers"]))
+        for name, (_, part) in zip(names, host_store.parts(params)):
             self._track("compute", f"update {name}", part)
         # Serial with the step anyway: waiting here costs nothing and times the update.
         jax.block_until_ready((params, opt_state))
@@ -499,6 +499,11 @@ class _InFlight:
             if self.engine is not None:
                 self.engine._waited("d2h", start)
         return host_tree
+
+
+def _part_names(num_layers: int) -> list[str]:
+    """The parts in streaming order, as every timeline lane names them."""
+    return ["embed", *(f"layer {i}" for i in range(num_layers)), "head"]
 
 
 def _add(a, b):

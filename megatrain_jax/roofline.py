@@ -24,8 +24,9 @@ The host memory terms count bytes through the host's DRAM: during the forward th
 update reads parameters, gradients and both moments and writes back three of them
 (`HOST_UPDATE_BYTES` per parameter) while the weight pass's DMA reads the weights; during the
 backward the DMA reads the weights again and writes the gradients. They share one memory, so
-neither phase can be shorter than its bytes over the host's bandwidth, however the update and
-the DMA are scheduled. Where the host's memory is slow, this term is the step.
+however the update and the DMA are scheduled, a phase lasts about its bytes over the host's
+bandwidth (a little less where the cache serves some: the weight pass may read a part its
+update has just written). Where the host's memory is slow, this term is the step.
 
 The optimizer's rate is the one input the link and the GPU do not set: measured on a sample
 (`measure`), or, better, as the median time of this model's own whole update timed alone

@@ -13,7 +13,6 @@ short table goes to stderr.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 import time
@@ -72,6 +71,7 @@ def main() -> None:
 
     from megatrain_jax import host_optim
     from megatrain_jax.host_store import Placement
+    from megatrain_jax.roofline import median_seconds
 
     place = Placement()
     n = args.mparams * 10**6
@@ -85,13 +85,7 @@ def main() -> None:
     kernels = _kernels(numba, host_optim._numba_kernel())
 
     def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, args.repeats)
 
     def schedule(name):
         if name == "static":

@@ -54,6 +54,7 @@ def main() -> None:
     from megatrain_jax import model, optim
     from megatrain_jax.host_optim import HostAdamW
     from megatrain_jax.host_store import Placement
+    from megatrain_jax.roofline import median_seconds
 
     place = Placement()
     opt = HostAdamW(1e-4, 0.9, 0.95, 1e-8, weight_decay=0.1, mask=optim.decay_mask)
@@ -79,44 +80,37 @@ def main() -> None:
     on_device = jax.jit(apply, donate_argnums=(0, 2))
     write_back = jax.jit(lambda dst, src: src, donate_argnums=0, out_shardings=place.host)
 
-    def run_program():
-        out = []
-        for p, g, s in device_set:
-            new_p, new_s = in_program(p, g, s, scale, skip)
-            out.append((new_p, g, new_s))
-        device_set[:] = out
-        jax.block_until_ready(out)
+    def device_way(update_one):
+        """Updates every device-set layer with update_one(p, g, s) -> (p, g, s), waits."""
 
-    def run_explicit():
-        out = []
-        for p, g, s in device_set:
+        def run():
+            device_set[:] = [update_one(p, g, s) for p, g, s in device_set]
+            jax.block_until_ready(device_set)
+
+        return run
+
+    def through_device(write):  # copies in, update on the device, write(host_old, new) back
+        def one(p, g, s):
             dev_p, dev_s = place.to_device((p, s))
             new_p, new_s = on_device(dev_p, g, dev_s, device_scale, device_skip)
-            out.append((write_back(p, new_p), g, write_back(s, new_s)))
-        device_set[:] = out
-        jax.block_until_ready(out)
+            return write(p, new_p), g, write(s, new_s)
 
-    def run_put():
-        out = []
-        for p, g, s in device_set:
-            dev_p, dev_s = place.to_device((p, s))
-            new_p, new_s = on_device(dev_p, g, dev_s, device_scale, device_skip)
-            out.append((place.to_host(new_p), g, place.to_host(new_s)))
-        device_set[:] = out
-        jax.block_until_ready(out)
+        return one
+
+    def program(p, g, s):  # one program moves the state in and out itself
+        new_p, new_s = in_program(p, g, s, scale, skip)
+        return new_p, g, new_s
+
+    run_program = device_way(program)
+    run_explicit = device_way(through_device(write_back))
+    run_put = device_way(through_device(lambda _old, new: place.to_host(new)))
 
     def run_host():
         for p, g, s in host_set:
             opt.update(p, g, s, 1.0)
 
     def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        return median_seconds(fn, args.repeats)
 
     def together(device_fn) -> tuple[float, float]:
         """(host seconds, device seconds) with both started at once."""

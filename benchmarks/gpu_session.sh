@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# One device call: transfer rates, then step benchmarks; full JSON and logs under $OUT,
-# a short table last. Usage (on the GPU machine, from the repo root):
-#   bash benchmarks/gpu_session.sh [3b-args] ; env RUNS="..." to choose the runs.
+# One device call: transfer rates, then step benchmarks; a short table last. The JSON files
+# and logs go to $WORK (default /tmp/gpu_session) and, packed, to $OUT/all.tgz with the table
+# in $OUT/summary.txt: the device tool brings back only a few files.
+# Usage (on the GPU machine, from the repo root):
+#   bash benchmarks/gpu_session.sh ; env RUNS="..." to choose the runs, PEERS="3b" for peers.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"
+OUT=${WORK:-/tmp/gpu_session}; mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 python3 -c 'import jax; print(jax.__version__, jax.devices())' >> "$OUT/gpu.txt" 2>&1
@@ -26,4 +29,6 @@ for shape in "${peers[@]}"; do
   timeout 400 python3 benchmarks/peers/fsdp2_offload.py $shape --out "$OUT/peer_fsdp2_$shape.json" > "$OUT/peer_fsdp2_$shape.log" 2>&1 \
     || { echo "FAILED: peer $shape"; grep -v '^W' "$OUT/peer_fsdp2_$shape.log" | tail -25; }
 done
-python3 benchmarks/summarize.py "$OUT"
+python3 benchmarks/summarize.py "$OUT" | tee "$OUT/summary.txt"
+cp "$OUT/summary.txt" "$FINAL/summary.txt"
+tar czf "$FINAL/all.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"

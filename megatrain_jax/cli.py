@@ -101,12 +101,14 @@ def cmd_plan(args) -> int:
 
         b = roofline.bound(cfg.model, rates)
         tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step)
+        memory = f"{rates.host_memory_gbps:.0f} GB/s" if rates.host_memory_gbps else "unmeasured"
         print(f"rates: H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, optimizer "
-              f"{rates.optimizer_gparams:.2f} G params/s, host memory "
-              f"{rates.host_memory_gbps:.0f} GB/s, layer forward+backward "
+              f"{rates.optimizer_gparams:.2f} G params/s, host memory {memory}, "
+              "layer forward+backward "
               f"{(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms")
         print(f"step bound at these settings: {b['step_s']:.3f} s "
-              f"({cfg.data.tokens_per_step / b['step_s']:,.0f} tokens/s)")
+              f"({cfg.data.tokens_per_step / b['step_s']:,.0f} tokens/s; the largest cost: "
+              f"{b['limited_by'].replace('_', ' ')})")
         print(f"compute-bound from about {tokens:,} tokens per step "
               f"(now {cfg.data.tokens_per_step:,})")
     return 0

@@ -82,6 +82,9 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
     rates = roofline.Rates.from_result(measured)
     step_s = roofline.bound(load_config("7b").model, rates)["step_s"]
     assert f"step bound at these settings: {step_s:.3f} s" in out
+    # Session 2's rates: the layers' compute is the largest single cost, and its JSON
+    # predates the host memory's measurement.
+    assert "the largest cost: compute" in out and "host memory unmeasured" in out
     # The head is serial, so the layers' forward must outlast the paced stream alone: about
     # 54k tokens at the H200's measured rates of session 2 (the 64k point of its sweep was
     # compute-bound, the 32k point not).

@@ -99,8 +99,10 @@ def cmd_plan(args) -> int:
     else:
         from megatrain_jax import roofline
 
-        b = roofline.bound(cfg.model, rates)
-        tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step)
+        resident = cfg.stream.resident_layers
+        b = roofline.bound(cfg.model, rates, resident_layers=resident)
+        tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step,
+                                               resident)
         memory = f"{rates.host_memory_gbps:.0f} GB/s" if rates.host_memory_gbps else "unmeasured"
         print(f"rates: H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, optimizer "
               f"{rates.optimizer_gparams:.2f} G params/s, host memory {memory}, "

@@ -128,13 +128,15 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """The streaming engine: how far ahead weights travel and where saved inputs wait."""
+    """The streaming engine: how far ahead weights travel, where saved inputs wait, where
+    the update runs, and how many layers stay in GPU memory instead of streaming."""
 
     prefetch_depth: int = 2
     saved_inputs: str = "device"
     loss_chunk: int = 1024  # tokens of the sequence per cross-entropy chunk
     host_memory_gb: float = 0.0  # pinned pool; 0: sized from the model
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
+    resident_layers: int = 0  # the first K layers' weights and optimizer state stay on the GPU
 
 
 @dataclass(frozen=True)
@@ -373,6 +375,9 @@ def validate(cfg: Config) -> Config:
         (cfg.loop.eval_every >= 0 and cfg.loop.eval_batches >= 1,
          "loop.eval_every must be >= 0 and loop.eval_batches >= 1"),
         (s.prefetch_depth >= 1, "stream.prefetch_depth must be >= 1"),
+        (0 <= s.resident_layers <= m.layers,
+         f"stream.resident_layers ({s.resident_layers}) must be within [0, model.layers = "
+         f"{m.layers}]"),
         (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),
         (s.update != "host" or cfg.optim.name in HOST_OPTIMIZERS,
          f"stream.update=host has kernels for optim.name {' and '.join(HOST_OPTIMIZERS)}, not "

@@ -21,6 +21,12 @@ compiled once whatever L is: layers differ only in the arrays passed in.
     state = engine.init_state(init_embed, init_layer, init_head, num_layers)
     state, metrics = engine.train_step(state, batch)
 
+With `resident_layers=K`, the first K layers' parameters and optimizer state live in GPU
+memory instead, for the whole run: they are never fetched, their gradients never leave the
+GPU, and they are updated there (any Optax transformation, in place by donation) right after
+the backward, while the host updates the rest. It trades GPU memory (16 bytes per parameter
+with AdamW, with the gradient) for host traffic, where the GPU has memory to spare.
+
 The engine updates host state in place (or donates it): after `train_step`, only the
 returned state is valid, and its host update may still be running: `state.wait()` waits
 for it (the next `train_step` waits by itself). Metrics are device scalars; reading them
@@ -163,13 +169,16 @@ class StreamEngine:
                  optimizer: optax.GradientTransformation | HostAdamW, *,
                  clip_norm: float = 1.0, prefetch_depth: int = 2,
                  saved_inputs: str = "device", micro_batches: int = 1,
-                 learning_rate: Callable | None = None, device: jax.Device | None = None):
+                 learning_rate: Callable | None = None, device: jax.Device | None = None,
+                 resident_layers: int = 0):
         if saved_inputs not in ("device", "pinned_host"):
             raise ValueError(
                 f"saved_inputs must be 'device' or 'pinned_host', got {saved_inputs!r}"
             )
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        if resident_layers < 0:
+            raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
         self.t = templates
         # A HostAdamW updates in place on the host; any other transformation on the device.
         self.host_opt = optimizer if isinstance(optimizer, HostAdamW) else None
@@ -179,6 +188,7 @@ class StreamEngine:
         self.offload_inputs = saved_inputs == "pinned_host"
         self.micro_batches = micro_batches
         self.learning_rate = learning_rate
+        self.resident_layers = resident_layers
         self.place = Placement(device)
         # Called as observer(phase, layer_index) at every layer visit; tests use it to
         # measure what is resident on the device.
@@ -205,6 +215,7 @@ class StreamEngine:
         self._layer_bwd = jax.jit(self._layer_bwd_impl, donate_argnums=2)
         self._embed_bwd = jax.jit(self._embed_bwd_impl)
         self._update = self.place.host_jit(self._update_impl, donate_argnums=(0, 2))
+        self._update_resident = jax.jit(self._update_impl, donate_argnums=(0, 2))
 
     # ----- templates (compiled once each) -------------------------------------------------
 
@@ -269,24 +280,45 @@ class StreamEngine:
     def init_state(self, init_embed: Callable, init_layer: Callable, init_head: Callable,
                    num_layers: int) -> StreamState:
         """Builds parameters part by part into host memory, then the optimizer state."""
+        self._check_resident(num_layers)
         params = host_store.init_host_params(
-            self.place, init_embed, init_layer, init_head, num_layers
+            self.place, init_embed, init_layer, init_head, num_layers, self.resident_layers
         )
-        return self.state_from_params(params, copy=False)
+        opt_state = host_store.init_host_opt_state(self.place, self.opt, params)
+        return StreamState(params, opt_state, 0)
 
     def state_from_params(self, params: dict, copy: bool = True) -> StreamState:
-        """Host state from existing parameters (anywhere), e.g. an imported checkpoint."""
-        if copy:
-            params = host_store.map_parts(self.place.to_host, params)
+        """Host state from existing parameters (anywhere), e.g. an imported checkpoint; the
+        resident layers' on the GPU. Parts already in pinned host memory are taken over as
+        they are (and updated in place: the import's memory is the state's); with `copy`,
+        parts already on the device are copied, so donating them leaves `params` whole."""
+        self._check_resident(len(params["layers"]))
+        k, place = self.resident_layers, self.place
+        params = {"embed": place.to_host(params["embed"]),
+                  "layers": [place.to_device(layer, copy) if i < k else place.to_host(layer)
+                             for i, layer in enumerate(params["layers"])],
+                  "head": place.to_host(params["head"])}
         opt_state = host_store.init_host_opt_state(self.place, self.opt, params)
         return StreamState(params, opt_state, 0)
 
     def abstract_state(self, abstract_params: dict) -> dict:
-        """{"params", "opt_state"} as ShapeDtypeStructs on pinned_host: a restore target."""
+        """{"params", "opt_state"} as ShapeDtypeStructs where the state lives (pinned_host,
+        the resident layers on the GPU): a restore target."""
+        self._check_resident(len(abstract_params["layers"]))
         opt_state = host_store.map_parts(lambda p: jax.eval_shape(self.opt.init, p),
                                          abstract_params)
-        return host_store.placed_shapes({"params": abstract_params, "opt_state": opt_state},
+        tree = host_store.placed_shapes({"params": abstract_params, "opt_state": opt_state},
                                         self.place.host)
+        for part in tree.values():
+            for i in range(self.resident_layers):
+                part["layers"][i] = host_store.placed_shapes(part["layers"][i],
+                                                             self.place.on_device)
+        return tree
+
+    def _check_resident(self, num_layers: int) -> None:
+        if self.resident_layers > num_layers:
+            raise ValueError(f"resident_layers ({self.resident_layers}) exceeds the model's "
+                             f"{num_layers} layers")
 
     # ----- the step ------------------------------------------------------------------------
 
@@ -353,6 +385,8 @@ class StreamEngine:
 
         def fetch_part(k_tree):
             k, tree = k_tree
+            if _resident(tree):  # updated on the device, in stream order: nothing to wait for
+                return tree
             if pending is not None:
                 start = time.perf_counter()
                 pending.wait(k)
@@ -404,8 +438,11 @@ class StreamEngine:
             saved[i] = None  # the device copy now held in x_in is the last one
             dxs, dw, sq = self._layer_bwd(weights, x_in, dxs, batch, sq)
             self._track("compute", f"backward {i}", sq)  # dxs is donated to the next call
-            grads["layers"][i] = offloads.add(
-                self._track("d2h", f"layer {i} grad", place.to_host(dw)))
+            if _resident(params["layers"][i]):  # updated on the device: the gradient stays
+                grads["layers"][i] = dw
+            else:
+                grads["layers"][i] = offloads.add(
+                    self._track("d2h", f"layer {i} grad", place.to_host(dw)))
             del weights, x_in, dw
 
         dembed, sq, skip, scale = self._embed_bwd(embed_params, batch, dxs, dembed_head, sq)
@@ -437,41 +474,63 @@ class StreamEngine:
             self.before_update()
             self._waited("checkpoint", waiting)
         if self.host_opt is not None:
-            new_state = self._host_update(state, grads, skipped, scale)
+            new_state = self._host_update(state, grads, skipped, scale, skip)
         else:
             new_state = self._device_update(state, grads, skip, scale)
         return new_state, metrics
 
-    def _host_update(self, state, grads, skipped: bool, scale) -> StreamState:
-        """Starts the in-place host update on a thread; a skipped step starts nothing."""
-        pending = None
+    def _host_update(self, state, grads, skipped: bool, scale, skip) -> StreamState:
+        """Starts the in-place host update on a thread and the resident layers' on the
+        device; a skipped step starts nothing."""
+        pending, params, opt_state = None, state._params, state._opt_state
         if not skipped:
-            scale = float(scale)
-            work = [
-                (lambda p=p, g=g, s=s: self.host_opt.update(p, g, s, scale))
-                for (_, p), (_, g), (_, s) in zip(host_store.parts(state._params),
-                                                  host_store.parts(grads),
-                                                  host_store.parts(state._opt_state))
-            ]
-            pending = _PendingUpdate(work, _part_names(len(grads["layers"])), self.timeline)
-        new_state = StreamState(state._params, state._opt_state, state.step + 1, pending)
+            host_scale = float(scale)
+
+            def work(p, g, s):  # a resident part's entry keeps the part's index
+                if _resident(p):
+                    return lambda: None
+                return lambda: self.host_opt.update(p, g, s, host_scale)
+
+            pending = _PendingUpdate(
+                [work(p, g, s) for (_, p), (_, g), (_, s) in zip(host_store.parts(params),
+                                                                 host_store.parts(grads),
+                                                                 host_store.parts(opt_state))],
+                _part_names(len(grads["layers"])), self.timeline)
+            params, opt_state = self._resident_updates(params, grads, opt_state, scale, skip)
+        new_state = StreamState(params, opt_state, state.step + 1, pending)
         if self.measure_phases:
             new_state.wait()
-            self._phase_done("update", None)
+            self._phase_done("update", (params, opt_state))
         return new_state
+
+    def _resident_updates(self, params, grads, opt_state, scale, skip):
+        """Dispatches the resident layers' updates (in place, by donation); new part dicts."""
+        k = self.resident_layers
+        if not k:
+            return params, opt_state
+        layers, states = list(params["layers"]), list(opt_state["layers"])
+        for i in range(k):
+            layers[i], states[i] = self._update_resident(layers[i], grads["layers"][i],
+                                                         states[i], scale, skip)
+            self._track("compute", f"update layer {i}", layers[i])
+        return {**params, "layers": layers}, {**opt_state, "layers": states}
 
     def _device_update(self, state, grads, skip, scale) -> StreamState:
         updating = time.perf_counter()
         host_scale, host_skip = self.place.to_host((scale, skip))
-        pairs = host_store.map_parts(
-            lambda p, g, s: self._update(p, g, s, host_scale, host_skip),
-            state.params, grads, state.opt_state,
-        )
+        params, opt_state = self._resident_updates(state.params, grads, state.opt_state,
+                                                   scale, skip)
+
+        def update(p, g, s):
+            return (p, s) if _resident(p) else self._update(p, g, s, host_scale, host_skip)
+
+        pairs = host_store.map_parts(update, params, grads, opt_state)
         params = host_store.map_parts(lambda pair: pair[0], pairs)
         opt_state = host_store.map_parts(lambda pair: pair[1], pairs)
         names = _part_names(len(params["layers"]))
         for name, (_, part) in zip(names, host_store.parts(params)):
-            self._track("compute", f"update {name}", part)
+            if not _resident(part):  # the resident layers' bars are already there
+                self._track("compute", f"update {name}", part)
         # Serial with the step anyway: waiting here costs nothing and times the update.
         jax.block_until_ready((params, opt_state))
         self.timings["update_s"] = time.perf_counter() - updating
@@ -499,6 +558,11 @@ class _InFlight:
             if self.engine is not None:
                 self.engine._waited("d2h", start)
         return host_tree
+
+
+def _resident(tree) -> bool:
+    """Whether a part lives in GPU memory (a resident layer) rather than on the host."""
+    return jax.tree.leaves(tree)[0].sharding.memory_kind == host_store.DEVICE_KIND
 
 
 def _part_names(num_layers: int) -> list[str]:

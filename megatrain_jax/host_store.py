@@ -33,9 +33,10 @@ class Placement:
         """Starts device -> host copies; returns at once (the copies complete asynchronously)."""
         return jax.device_put(tree, self.host)
 
-    def to_device(self, tree):
-        """Starts host -> device copies; returns at once."""
-        return jax.device_put(tree, self.on_device)
+    def to_device(self, tree, copy: bool = False):
+        """Starts host -> device copies; returns at once. An array already there is returned
+        as it is, unless `copy`."""
+        return jax.device_put(tree, self.on_device, may_alias=False if copy else None)
 
     def host_jit(self, fn: Callable, donate_argnums=()) -> Callable:
         """Jits `fn` over host-resident inputs: moved to the device inside, results to host."""
@@ -64,23 +65,26 @@ def map_parts(fn: Callable, *trees: dict) -> dict:
 
 
 def init_host_params(placement: Placement, init_embed, init_layer, init_head,
-                     num_layers: int) -> dict:
+                     num_layers: int, resident: int = 0) -> dict:
     """Builds parameters part by part straight into host memory; never the whole on device.
 
     `init_layer(i)` gives layer i's parameters (on any device); each is moved to pinned_host
-    before the next is made.
+    before the next is made, except the first `resident` layers, which stay on the device.
     """
     params = {"embed": placement.to_host(init_embed()), "layers": [], "head": None}
     for i in range(num_layers):
-        params["layers"].append(placement.to_host(init_layer(i)))
+        move = placement.to_device if i < resident else placement.to_host
+        params["layers"].append(move(init_layer(i)))
     params["head"] = placement.to_host(init_head())
     return params
 
 
 def init_host_opt_state(placement: Placement, optimizer, params: dict) -> dict:
-    """Optax state of each part, created on the device and stored on pinned_host."""
-    init = placement.host_jit(optimizer.init)
-    return map_parts(init, params)
+    """Optax state of each part, created on the device and stored where the part lives:
+    pinned_host, or the device for a part kept there."""
+    on_host, on_device = placement.host_jit(optimizer.init), jax.jit(optimizer.init)
+    return map_parts(lambda p: (on_device if memory_kinds(p) == {DEVICE_KIND} else on_host)(p),
+                     params)
 
 
 def placed_shapes(tree, sharding) -> object:

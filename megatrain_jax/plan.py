@@ -24,12 +24,14 @@ def estimate(cfg: Config) -> dict:
     m, d, s = cfg.model, cfg.data, cfg.stream
     params = m.num_params
     layer = m.params_per_layer
+    resident = s.resident_layers * layer  # parameters whose state lives on the GPU
+    state_floats = 1 + OPT_STATE_FLOATS[cfg.optim.name]
     act_bytes = 2 if m.compute_dtype == "bfloat16" else 4
     saved = m.layers * d.tokens_per_step * m.hidden * act_bytes
     host = {
-        "master_weights": 4 * params,
-        "optimizer_state": 4 * OPT_STATE_FLOATS[cfg.optim.name] * params,
-        "gradients": 4 * params,
+        "master_weights": 4 * (params - resident),
+        "optimizer_state": 4 * OPT_STATE_FLOATS[cfg.optim.name] * (params - resident),
+        "gradients": 4 * (params - resident),
         "saved_inputs": saved if s.saved_inputs == "pinned_host" else 0,
         # Beyond the state: the JAX runtime, allocator rounding and the trainer's own arrays;
         # measured at 3 B/param on the H200 machine (7B: 19.0 B/param resident, 16 of state).
@@ -47,6 +49,8 @@ def estimate(cfg: Config) -> dict:
         "embedding": edge,
         "saved_inputs": saved if s.saved_inputs == "device" else 0,
         "workspace": workspace,
+        # Weights, optimizer state and the step's gradients of the resident layers.
+        "resident_layers": 4 * (state_floats + 1) * resident,
     }
     if cfg.loop.trainer == "reference":
         device = {"whole_model_state": 16 * params, "workspace": workspace, "saved": saved}
@@ -103,8 +107,8 @@ def check_fits(cfg: Config, host: int | None = None, gpu: int | None = None) -> 
         raise ConfigError(
             f"A step needs about {est['device_total'] / GiB:.1f} GiB of GPU memory ({parts} "
             f"GiB) but the GPU has {gpu / GiB:.1f} GiB. Use data.micro_batches to split the "
-            "batch, stream.saved_inputs=pinned_host, a lower stream.prefetch_depth, or fewer "
-            "tokens per step."
+            "batch, stream.saved_inputs=pinned_host, a lower stream.prefetch_depth, fewer "
+            "stream.resident_layers, or fewer tokens per step."
         )
 
 

@@ -66,9 +66,15 @@ class Rates:
                       if f.name in result or f.default is dataclasses.MISSING})
 
 
-def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4) -> dict:
-    """Seconds per component and both bounds, for one step of `model` at the given rates."""
-    p = model.num_params
+def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
+          resident_layers: int = 0) -> dict:
+    """Seconds per component and both bounds, for one step of `model` at the given rates.
+
+    `resident_layers` kept in GPU memory neither travel nor load the host: the link, the
+    host optimizer and the host memory carry the other parameters only. (Their own update
+    runs on the GPU at memory speed, a few ms per billion parameters, and is left out.)
+    """
+    p = model.num_params - resident_layers * model.params_per_layer
     weight_pass = bytes_per_param * p / (rates.h2d_gbps * 1e9)
     gradients = bytes_per_param * p / (rates.d2h_gbps * 1e9)
     forward = model.layers * rates.layer_forward_s
@@ -111,7 +117,8 @@ def _limit(forward, backward, weight_pass, gradients, optimizer, host_memory) ->
     return max(costs, key=costs.get)
 
 
-def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int) -> int:
+def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int,
+                         resident_layers: int = 0) -> int:
     """Tokens per step from which this engine's schedule is bound by compute alone.
 
     Layer compute grows linearly with tokens; transfers and the optimizer do not. The step is
@@ -119,7 +126,7 @@ def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int) -> int:
     it) and the backward outlasts the weight stream and the gradients' return. `rates` were
     measured at `tokens` per step.
     """
-    b = bound(model, rates)
+    b = bound(model, rates, resident_layers=resident_layers)
     forward_per_token = b["compute_forward_s"] / tokens
     backward_per_token = b["compute_backward_s"] / tokens
     paced = max(b["h2d_per_pass_s"], b["host_memory_forward_s"])
@@ -195,7 +202,8 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     rates = Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s,
                   optimizer, overlapped_update=overlapped,
                   host_memory_gbps=max(memory, achieved))
-    return {**dataclasses.asdict(rates), **bound(cfg.model, rates),
+    return {**dataclasses.asdict(rates),
+            **bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers),
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": memory}
 
 

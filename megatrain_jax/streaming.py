@@ -83,7 +83,8 @@ class StreamingStep:
     params: dict
 
     def init_state(self) -> StreamState:
-        """Host-resident parameters and optimizer state (pinned_host)."""
+        """Host-resident parameters and optimizer state (pinned_host; resident layers on
+        the GPU)."""
         return self.engine.state_from_params(self.params)
 
     def train_step(self, state: StreamState, batch: dict) -> tuple[StreamState, dict]:
@@ -99,7 +100,8 @@ def _normalizer(batch: dict):
 def from_functions(embed: Callable, layer: Callable, head_loss: Callable, params: dict,
                    optimizer: optax.GradientTransformation, *, clip_norm: float = 0.0,
                    prefetch_depth: int = 2, saved_inputs: str = "device",
-                   micro_batches: int = 1, example_batch: dict | None = None) -> StreamingStep:
+                   micro_batches: int = 1, resident_layers: int = 0,
+                   example_batch: dict | None = None) -> StreamingStep:
     """A streaming step from pure functions.
 
     embed(embed_params, batch) -> x; layer(layer_params, x) -> x (or
@@ -107,6 +109,8 @@ def from_functions(embed: Callable, layer: Callable, head_loss: Callable, params
     head_loss(head_params, x, batch) -> summed loss. `params` is
     {"embed": ..., "layers": [one pytree per layer], "head": ...}.
     With `example_batch`, the templates are traced once up front to refuse captured arrays.
+    With `resident_layers=K`, the first K layers' parameters and optimizer state stay in GPU
+    memory and update there, where the GPU has room for them.
     """
     check_layers(params["layers"])
     layer3 = _with_batch(layer)
@@ -122,7 +126,7 @@ def from_functions(embed: Callable, layer: Callable, head_loss: Callable, params
         check_no_captured_arrays(head_loss, params["head"], x, example_batch, name="head loss")
     engine = StreamEngine(templates, optimizer, clip_norm=clip_norm,
                           prefetch_depth=prefetch_depth, saved_inputs=saved_inputs,
-                          micro_batches=micro_batches)
+                          micro_batches=micro_batches, resident_layers=resident_layers)
     return StreamingStep(engine, params)
 
 

@@ -40,7 +40,7 @@ class StreamTrainer:
             llama_templates(cfg), optim.build_stream_optimizer(cfg),
             clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
             saved_inputs=cfg.stream.saved_inputs, micro_batches=cfg.data.micro_batches,
-            learning_rate=optim.learning_rate(cfg),
+            learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.place.to_host  # where imported parameters go

@@ -25,11 +25,15 @@ def _cfg(run_dir, *more):
                 *more)
 
 
-@pytest.mark.parametrize("trainer", ["stream", "reference"])
+TRAINERS = {"stream": ["loop.trainer=stream"], "reference": ["loop.trainer=reference"],
+            "stream_resident": ["loop.trainer=stream", "stream.resident_layers=1"]}
+
+
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
 def test_resume_gives_the_same_losses_as_an_unbroken_run(tmp_path, trainer):
-    straight = train(_cfg(tmp_path / "a", "loop.steps=10", f"loop.trainer={trainer}"))
-    train(_cfg(tmp_path / "b", "loop.steps=5", f"loop.trainer={trainer}"))
-    resumed = train(_cfg(tmp_path / "b", "loop.steps=10", f"loop.trainer={trainer}"))
+    straight = train(_cfg(tmp_path / "a", "loop.steps=10", *TRAINERS[trainer]))
+    train(_cfg(tmp_path / "b", "loop.steps=5", *TRAINERS[trainer]))
+    resumed = train(_cfg(tmp_path / "b", "loop.steps=10", *TRAINERS[trainer]))
     a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert sorted(b) == list(range(1, 11))  # the resumed run appended to metrics.jsonl
     assert [b[s] for s in range(6, 11)] == [a[s] for s in range(6, 11)]  # bit for bit
@@ -66,6 +70,14 @@ def test_restore_goes_straight_to_pinned_host(tmp_path):
     assert memory_kinds(tree) == {"pinned_host"}
     assert meta["step"] == 5 and meta["data_position"] == 5
     assert int(tree["opt_state"]["layers"][0][0].count) == 5
+    # The same checkpoint restored for a run that keeps layer 0 on the GPU.
+    resident = make_trainer(_cfg(tmp_path, "loop.steps=5", "stream.resident_layers=1"))
+    again, _ = ckpt.restore(5, resident.abstract_state())
+    assert memory_kinds(again["params"]["layers"][0]) == {"device"}
+    assert memory_kinds((again["params"]["layers"][1], again["params"]["embed"])) == \
+        {"pinned_host"}
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_keeps_the_last_n(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from conftest import max_rel_error, tiny
 
 from megatrain_jax import model
+from megatrain_jax.config import ConfigError
 from megatrain_jax.data import TokenSource
 from megatrain_jax.host_store import map_parts, memory_kinds
 from megatrain_jax.reference import ReferenceTrainer
@@ -55,7 +56,9 @@ def test_streamed_gradients_equal_reference(case):
 
 UPDATES = {"host": ["stream.update=host"], "device": ["stream.update=device"],
            "host_adam": ["stream.update=host", "optim.name=adam"],
-           "device_lion": ["stream.update=auto", "optim.name=lion"]}
+           "device_lion": ["stream.update=auto", "optim.name=lion"],
+           "host_resident": ["stream.update=host", "stream.resident_layers=2"],
+           "device_resident": ["stream.update=device", "stream.resident_layers=1"]}
 
 
 @pytest.mark.parametrize("update", sorted(UPDATES))
@@ -91,9 +94,9 @@ def test_twenty_steps_match_reference_with_clipping(update):
         assert max_rel_error(streamed, whole) <= 1e-4, moment
 
 
-@pytest.mark.parametrize("update", ["host", "device"])
+@pytest.mark.parametrize("update", ["host", "device", "host_resident"])
 def test_nan_gradient_skips_exactly_that_step(update):
-    cfg = tiny("model.layers=2", f"stream.update={update}")
+    cfg = tiny("model.layers=2", *UPDATES[update])
     data = TokenSource(cfg)
     trainer = StreamTrainer(cfg)
     state = trainer.init(jax.random.key(0))
@@ -124,6 +127,45 @@ def test_host_state_is_pinned_after_init_and_step(update):
     assert memory_kinds((state.params, state.opt_state)) == {"pinned_host"}
     state, _ = trainer.train_step(state, TokenSource(cfg).batch_at(0))
     assert memory_kinds((state.params, state.opt_state)) == {"pinned_host"}
+
+
+@pytest.mark.parametrize("update", ["host", "device"])
+def test_resident_layers_stay_on_the_device_and_their_gradients_too(update):
+    cfg = tiny("model.layers=3", "stream.resident_layers=2", f"stream.update={update}")
+    trainer = StreamTrainer(cfg)
+    engine = trainer.engine
+
+    def kinds(state):
+        return [memory_kinds((state.params["layers"][i], state.opt_state["layers"][i]))
+                for i in range(3)]
+
+    state = trainer.init(jax.random.key(0))
+    assert kinds(state) == [{"device"}, {"device"}, {"pinned_host"}]
+    rest = {k: state.params[k] for k in ("embed", "head")}
+    assert memory_kinds((rest, state.opt_state["embed"], state.opt_state["head"])) == \
+        {"pinned_host"}
+    batch = TokenSource(cfg).batch_at(0)
+    _, grads, _, _, _ = engine.forward_backward(state.params, batch)
+    assert [memory_kinds(g) for g in grads["layers"]] == [{"device"}, {"device"},
+                                                          {"pinned_host"}]
+    before = jax.tree.map(np.array, state.params["layers"][0])
+    for step in range(2):
+        state, _ = trainer.train_step(state, TokenSource(cfg).batch_at(step))
+    assert kinds(state) == [{"device"}, {"device"}, {"pinned_host"}]
+    after = jax.tree.leaves(state.params["layers"][0])
+    assert all(not np.array_equal(a, b) for a, b in zip(after, jax.tree.leaves(before)))
+    # A restore target places each part where the engine keeps it.
+    target = trainer.abstract_state()
+    assert [leaf.sharding.memory_kind for leaf in jax.tree.leaves(target["params"]["layers"][1])
+            ][0] == "device"
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(
+        target["opt_state"]["layers"][2])} == {"pinned_host"}
+
+
+def test_more_resident_layers_than_layers_is_refused():
+    with pytest.raises(ConfigError, match=r"stream.resident_layers \(4\) must be within "
+                                          r"\[0, model.layers = 3\]"):
+        tiny("model.layers=3", "stream.resident_layers=4")
 
 
 def _compilations(num_layers):

@@ -152,3 +152,28 @@ def test_measured_host_memory_is_at_least_what_the_update_moved():
     rates = measure_rates(load_config("tiny"))
     assert rates.overlapped_update
     assert rates.host_memory_gbps >= rates.optimizer_gparams * roofline.HOST_UPDATE_BYTES > 0
+
+
+def test_resident_layers_move_their_state_from_the_host_to_the_gpu_in_the_plan_and_bound():
+    base = load_config("7b", ["data.batch_size=16", "data.seq_len=1024"])
+    cfg = load_config("7b", ["data.batch_size=16", "data.seq_len=1024",
+                             "stream.resident_layers=8"])
+    moved = 8 * cfg.model.params_per_layer
+    before, after = plan.estimate(base), plan.estimate(cfg)
+    assert before["host_total"] - after["host_total"] == 16 * moved  # weights, 2 moments, grads
+    assert after["device"]["resident_layers"] == 16 * moved  # and the step's gradients
+    assert after["device_total"] - before["device_total"] == 16 * moved
+    rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
+                           layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
+                           host_memory_gbps=150)
+    streamed = roofline.bound(cfg.model, rates)
+    resident = roofline.bound(cfg.model, rates, resident_layers=8)
+    share = (cfg.model.num_params - moved) / cfg.model.num_params
+    for key in ("h2d_per_pass_s", "d2h_s", "optimizer_s", "host_memory_forward_s"):
+        assert resident[key] == pytest.approx(streamed[key] * share), key
+    assert resident["compute_forward_s"] == streamed["compute_forward_s"]
+    assert resident["step_s"] < streamed["step_s"]
+    # The GPU's share is refused with the option named when it does not fit.
+    with pytest.raises(ConfigError, match="fewer stream.resident_layers"):
+        plan.check_fits(load_config("7b", ["stream.resident_layers=32"]), host=125 * GiB,
+                        gpu=80 * GiB)

@@ -16,7 +16,7 @@ RUNS=${RUNS:-"3b:--steps 4 --warmup 2 --phases 1|7b:--steps 8 --warmup 2 --repea
 IFS='|' read -ra items <<< "$RUNS"
 for item in "${items[@]}"; do
   name=${item%%:*}; rest=${item#*:}
-  tag=$(echo "$name $rest" | tr -c 'a-zA-Z0-9\n' '_' | cut -c1-70)
+  tag=$(echo "$name $rest" | tr -c 'a-zA-Z0-9\n' '_' | cut -c1-150)
   echo "== $name $rest"
   # shellcheck disable=SC2086
   timeout ${RUN_TIMEOUT:-400} python3 benchmarks/bench_step.py $name $rest --out "$OUT/step_$tag.json" > "$OUT/step_$tag.log" 2>&1 \

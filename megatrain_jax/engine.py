@@ -279,7 +279,8 @@ class StreamEngine:
 
     def init_state(self, init_embed: Callable, init_layer: Callable, init_head: Callable,
                    num_layers: int) -> StreamState:
-        """Builds parameters part by part into host memory, then the optimizer state."""
+        """Builds parameters part by part into host memory (the resident layers into GPU
+        memory), then the optimizer state beside them."""
         self._check_resident(num_layers)
         params = host_store.init_host_params(
             self.place, init_embed, init_layer, init_head, num_layers, self.resident_layers

@@ -295,7 +295,8 @@ def _export(params: dict, cfg: Config, out_dir, dtype: str | None, progress: str
 
 def measure_rates(cfg: Config):
     """The roofline's rates for `cfg` (a `roofline.Rates`), measured on two of its layers
-    with random tokens: link bandwidths, layer and head times, optimizer rate."""
+    with random tokens: link bandwidths, layer and head times, optimizer rate. The two
+    layers stream (no resident layers); the bound counts cfg's own."""
     import dataclasses
 
     from megatrain_jax import roofline
@@ -303,6 +304,7 @@ def measure_rates(cfg: Config):
     small = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, layers=min(cfg.model.layers, 2), hf_path=""),
         data=dataclasses.replace(cfg.data, source="random"),
+        stream=dataclasses.replace(cfg.stream, resident_layers=0),
         loop=dataclasses.replace(cfg.loop, trainer="stream"))
     trainer = StreamTrainer(small)
     state = trainer.init(jax.random.key(0))

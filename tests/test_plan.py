@@ -95,6 +95,32 @@ def test_plan_measure_on_this_machine(capsys):
     assert main(["plan", "tiny", "--measure"]) == 0
     out = capsys.readouterr().out
     assert "rates: H2D" in out and "compute-bound from about" in out
+    # Measured on two streamed layers whatever the run keeps on the GPU.
+    assert main(["plan", "tiny", "model.layers=3", "stream.resident_layers=3", "--measure"]) == 0
+    assert "step bound at these settings" in capsys.readouterr().out
+
+
+def test_the_link_is_timed_from_pinned_host_memory_with_resident_layers():
+    import jax
+
+    from megatrain_jax.data import TokenSource
+    from megatrain_jax.train import StreamTrainer
+
+    cfg = load_config("tiny", ["model.layers=3", "stream.resident_layers=2"])
+    trainer = StreamTrainer(cfg)
+    state = trainer.init(jax.random.key(0))
+    place, kinds = trainer.engine.place, []
+    to_device = place.to_device
+
+    def recording(tree, copy=False):
+        kinds.extend(a.sharding.memory_kind for a in jax.tree.leaves(tree)
+                     if isinstance(a, jax.Array))
+        return to_device(tree, copy)
+
+    place.to_device = recording
+    measured = roofline.measure(cfg, trainer.engine, state, TokenSource(cfg).batch_at(0))
+    assert kinds and set(kinds) == {"pinned_host"}  # never a no-op device -> device "copy"
+    assert measured["h2d_gbps"] > 0
 
 
 def test_train_refuses_a_model_that_does_not_fit(capsys, monkeypatch):

@@ -32,7 +32,13 @@ from common import emit  # noqa: E402
 
 from megatrain_jax import plan  # noqa: E402  (no JAX yet: the pool is sized first)
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
-from megatrain_jax.roofline import HOST_UPDATE_BYTES, Rates, bound, measure  # noqa: E402
+from megatrain_jax.roofline import (  # noqa: E402
+    Rates,
+    at_optimizer_rate,
+    bound,
+    measure,
+    streamed_params,
+)
 
 
 def main() -> None:
@@ -128,15 +134,14 @@ def run(cfg, trainer, state, args):
         # (median), else a 64M-parameter sample's. The bound at the better of the two rates
         # is reported beside it (`step_s_best_rate`), so a faster sample shows.
         # The host updates every part but the resident layers (updated on the GPU meanwhile).
-        on_host = cfg.model.num_params - cfg.stream.resident_layers * cfg.model.params_per_layer
+        on_host = streamed_params(cfg.model, cfg.stream.resident_layers)
         in_step = [on_host / ph["update"] / 1e9 for ph in phases]
         roofline = measure(cfg, engine, state, data.batch_at(0),
                            statistics.median(in_step) if in_step else 0.0)
-        best_rate = max(roofline["optimizer_gparams"], roofline["optimizer_sample_gparams"])
-        moved = best_rate * HOST_UPDATE_BYTES if roofline["overlapped_update"] else 0.0
-        best = dataclasses.replace(
-            Rates.from_result(roofline), optimizer_gparams=best_rate,
-            host_memory_gbps=max(roofline["host_memory_gbps"], moved))
+        best = at_optimizer_rate(
+            Rates.from_result(roofline),
+            max(roofline["optimizer_gparams"], roofline["optimizer_sample_gparams"]),
+            roofline["host_memory_kernel_gbps"])
         resident = cfg.stream.resident_layers
         roofline["step_s_best_rate"] = bound(cfg.model, best, resident_layers=resident)["step_s"]
         # The bound of sessions 2-4, without the host memory's traffic, for comparison.

@@ -386,7 +386,7 @@ class StreamEngine:
 
         def fetch_part(k_tree):
             k, tree = k_tree
-            if _resident(tree):  # updated on the device, in stream order: nothing to wait for
+            if host_store.on_device(tree):  # updated on the device, in stream order: no wait
                 return tree
             if pending is not None:
                 start = time.perf_counter()
@@ -439,7 +439,7 @@ class StreamEngine:
             saved[i] = None  # the device copy now held in x_in is the last one
             dxs, dw, sq = self._layer_bwd(weights, x_in, dxs, batch, sq)
             self._track("compute", f"backward {i}", sq)  # dxs is donated to the next call
-            if _resident(params["layers"][i]):  # updated on the device: the gradient stays
+            if host_store.on_device(params["layers"][i]):  # updated there: the gradient stays
                 grads["layers"][i] = dw
             else:
                 grads["layers"][i] = offloads.add(
@@ -488,7 +488,7 @@ class StreamEngine:
             host_scale = float(scale)
 
             def work(p, g, s):  # a resident part's entry keeps the part's index
-                if _resident(p):
+                if host_store.on_device(p):
                     return lambda: None
                 return lambda: self.host_opt.update(p, g, s, host_scale)
 
@@ -523,14 +523,16 @@ class StreamEngine:
                                                    scale, skip)
 
         def update(p, g, s):
-            return (p, s) if _resident(p) else self._update(p, g, s, host_scale, host_skip)
+            if host_store.on_device(p):  # updated by _resident_updates
+                return p, s
+            return self._update(p, g, s, host_scale, host_skip)
 
         pairs = host_store.map_parts(update, params, grads, opt_state)
         params = host_store.map_parts(lambda pair: pair[0], pairs)
         opt_state = host_store.map_parts(lambda pair: pair[1], pairs)
         names = _part_names(len(params["layers"]))
         for name, (_, part) in zip(names, host_store.parts(params)):
-            if not _resident(part):  # the resident layers' bars are already there
+            if not host_store.on_device(part):  # the resident layers' bars are already there
                 self._track("compute", f"update {name}", part)
         # Serial with the step anyway: waiting here costs nothing and times the update.
         jax.block_until_ready((params, opt_state))
@@ -559,11 +561,6 @@ class _InFlight:
             if self.engine is not None:
                 self.engine._waited("d2h", start)
         return host_tree
-
-
-def _resident(tree) -> bool:
-    """Whether a part lives in GPU memory (a resident layer) rather than on the host."""
-    return jax.tree.leaves(tree)[0].sharding.memory_kind == host_store.DEVICE_KIND
 
 
 def _part_names(num_layers: int) -> list[str]:

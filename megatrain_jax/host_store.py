@@ -82,15 +82,19 @@ def init_host_params(placement: Placement, init_embed, init_layer, init_head,
 def init_host_opt_state(placement: Placement, optimizer, params: dict) -> dict:
     """Optax state of each part, created on the device and stored where the part lives:
     pinned_host, or the device for a part kept there."""
-    on_host, on_device = placement.host_jit(optimizer.init), jax.jit(optimizer.init)
-    return map_parts(lambda p: (on_device if memory_kinds(p) == {DEVICE_KIND} else on_host)(p),
-                     params)
+    host_init, device_init = placement.host_jit(optimizer.init), jax.jit(optimizer.init)
+    return map_parts(lambda p: device_init(p) if on_device(p) else host_init(p), params)
 
 
 def placed_shapes(tree, sharding) -> object:
     """ShapeDtypeStructs of `tree`'s leaves with `sharding`: a target to restore into."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                         tree)
+
+
+def on_device(part) -> bool:
+    """Whether a part lives in device memory (a layer kept on the GPU) rather than the host."""
+    return jax.tree.leaves(part)[0].sharding.memory_kind == DEVICE_KIND
 
 
 def memory_kinds(tree) -> set[str]:

@@ -74,7 +74,7 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     host optimizer and the host memory carry the other parameters only. (Their own update
     runs on the GPU at memory speed, a few ms per billion parameters, and is left out.)
     """
-    p = model.num_params - resident_layers * model.params_per_layer
+    p = streamed_params(model, resident_layers)
     weight_pass = bytes_per_param * p / (rates.h2d_gbps * 1e9)
     gradients = bytes_per_param * p / (rates.d2h_gbps * 1e9)
     forward = model.layers * rates.layer_forward_s
@@ -97,6 +97,19 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
         "limited_by": _limit(forward + head, backward, weight_pass, gradients, optimizer,
                              host["forward"] + host["backward"]),
     }
+
+
+def streamed_params(model: ModelConfig, resident_layers: int = 0) -> int:
+    """Parameters that live on the host: all but those of the layers kept on the GPU."""
+    return model.num_params - resident_layers * model.params_per_layer
+
+
+def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float) -> Rates:
+    """`rates` with the optimizer at `gparams` G params/s, and the host memory's bandwidth the
+    larger of a streaming kernel's and what a host update at that rate moves through it."""
+    moved = gparams * HOST_UPDATE_BYTES if rates.overlapped_update else 0.0
+    return dataclasses.replace(rates, optimizer_gparams=gparams,
+                               host_memory_gbps=max(kernel_gbps, moved))
 
 
 def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int) -> dict:
@@ -196,14 +209,11 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
 
     head_s = median_seconds(head_and_embed_backward)
     sample = _optimizer_rate(engine)
-    optimizer = optimizer_gparams or sample
-    overlapped = engine.host_opt is not None
-    # The host memory moved at least what the host update itself moved through it.
     memory = host_optim.memory_gbps()
-    achieved = optimizer * HOST_UPDATE_BYTES if overlapped else 0.0
-    rates = Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s,
-                  optimizer, overlapped_update=overlapped,
-                  host_memory_gbps=max(memory, achieved))
+    rates = at_optimizer_rate(
+        Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
+              overlapped_update=engine.host_opt is not None),
+        optimizer_gparams or sample, memory)
     return {**dataclasses.asdict(rates),
             **bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers),
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": memory}

@@ -69,20 +69,20 @@ def main() -> None:
     import numba
     import numpy as np
 
-    from megatrain_jax import host_optim
-    from megatrain_jax.host_store import Placement
-    from megatrain_jax.roofline import median_seconds
+    from megatrain_jax.optim import host_adamw
+    from megatrain_jax.stream.placement import Placement
+    from megatrain_jax.tools.roofline import median_seconds
 
     place = Placement()
     n = args.mparams * 10**6
     f = np.float32
     arrays = place.to_host([jnp.full((n,), v, jnp.float32) for v in (0.1, 1e-3, 1e-4, 1e-6)])
     jax.block_until_ready(arrays)
-    views = [host_optim.writable(a) for a in arrays]
+    views = [host_adamw.writable(a) for a in arrays]
     scalars = (f(1.0), f(0.9), f(0.1), f(0.95), f(0.05), f(1e-8), f(0.1), f(0.05), f(-1e-5),
                f(0.01))
 
-    kernels = _kernels(numba, host_optim._numba_kernel())
+    kernels = _kernels(numba, host_adamw._numba_kernel())
 
     def timed(fn) -> float:
         return median_seconds(fn, args.repeats)

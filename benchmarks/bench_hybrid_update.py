@@ -40,8 +40,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from megatrain_jax import plan
     from megatrain_jax.config import load_config
+    from megatrain_jax.tools import plan
 
     cfg = load_config(args.shape)
     layer_bytes = 16 * cfg.model.params_per_layer
@@ -52,9 +52,9 @@ def main() -> None:
     import jax.numpy as jnp
 
     from megatrain_jax import model, optim
-    from megatrain_jax.host_optim import HostAdamW
-    from megatrain_jax.host_store import Placement
-    from megatrain_jax.roofline import median_seconds
+    from megatrain_jax.optim.host_adamw import HostAdamW
+    from megatrain_jax.stream.placement import Placement
+    from megatrain_jax.tools.roofline import median_seconds
 
     place = Placement()
     opt = HostAdamW(1e-4, 0.9, 0.95, 1e-8, weight_decay=0.1, mask=optim.decay_mask)

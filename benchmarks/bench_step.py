@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit  # noqa: E402
 
-from megatrain_jax import plan  # noqa: E402  (no JAX yet: the pool is sized first)
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
-from megatrain_jax.roofline import (  # noqa: E402
+from megatrain_jax.tools import plan  # noqa: E402  (no JAX yet: the pool is sized first)
+from megatrain_jax.tools.roofline import (  # noqa: E402
     Rates,
     at_optimizer_rate,
     bound,
@@ -71,7 +71,7 @@ def main() -> None:
     trainer = make_trainer(cfg)
     t0 = time.perf_counter()
     state = trainer.init(jax.random.key(cfg.loop.seed))
-    jax.block_until_ready(state.params if hasattr(state, "wait") else state)
+    jax.block_until_ready(state.wait().params)
     init_seconds = time.perf_counter() - t0
     results = []
     for size in sizes:
@@ -86,9 +86,9 @@ def run(cfg, trainer, state, args):
     import jax
     import numpy as np
 
-    from megatrain_jax.data import TokenSource
-    from megatrain_jax.host_store import memory_kinds
-    from megatrain_jax.train import host_rss_bytes, peak_device_bytes, peak_flops
+    from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.stream.placement import memory_kinds
+    from megatrain_jax.tools.machine import host_rss_bytes, peak_device_bytes, peak_flops
 
     data = TokenSource(cfg)
     times, losses, norms = [], [], []
@@ -104,21 +104,22 @@ def run(cfg, trainer, state, args):
     phases = []
     engine = getattr(trainer, "engine", None)
     if engine is not None and args.timeline:
-        from megatrain_jax.timeline import Timeline
+        from megatrain_jax.stream import Timeline
 
-        engine.timeline = timeline = Timeline()
-        state, _ = trainer.train_step(state, data.batch_at(args.warmup + args.steps))
+        timeline = Timeline()
+        state, _ = trainer.train_step(state, data.batch_at(args.warmup + args.steps),
+                                      tracer=timeline)
         state.wait()
-        engine.timeline = None
         args.timeline.write_text(json.dumps({"layers": cfg.model.layers,
                                              "bars": timeline.finish()}) + "\n")
     if engine is not None and args.phases:
+        from megatrain_jax.stream import PhaseTimer
+
         state.wait()  # else the first synced forward would also wait for the last update
-        engine.measure_phases = True
         for step in range(args.phases):
-            state, metrics = trainer.train_step(state, data.batch_at(step))
-            phases.append(dict(engine.phase_seconds))
-        engine.measure_phases = False
+            timer = PhaseTimer()
+            state, metrics = trainer.train_step(state, data.batch_at(step), tracer=timer)
+            phases.append(dict(timer.seconds))
 
     timed = times[args.warmup:]
     step_s = statistics.median(timed)
@@ -165,8 +166,8 @@ def run(cfg, trainer, state, args):
         "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
         "peak_host_rss_gib": rss / 2**30, "host_bytes_per_param": rss / p,
         "losses": losses, "grad_norms": norms,
-        "update": "host" if getattr(engine, "host_opt", None) else "device",
-        "host_kernel": getattr(getattr(engine, "host_opt", None), "kernel", None),
+        "update": "host" if getattr(engine, "host_optimizer", None) else "device",
+        "host_kernel": getattr(getattr(engine, "host_optimizer", None), "kernel", None),
         "roofline": roofline,
         "host_state_memory_kinds": sorted(host_kinds),
         "phase_seconds_synced": phases,

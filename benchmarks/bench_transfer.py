@@ -20,13 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit  # noqa: E402
 
-from megatrain_jax.roofline import median_seconds  # noqa: E402
+from megatrain_jax.tools.roofline import median_seconds  # noqa: E402
 
 
 def _host_update_rate(place, kernel, params, grads) -> float | None:
     """G params/s of the in-place host AdamW with one kernel (None: kernel not installed)."""
     from megatrain_jax import optim
-    from megatrain_jax.host_optim import HostAdamW
+    from megatrain_jax.optim.host_adamw import HostAdamW
 
     try:
         host = HostAdamW(1e-4, weight_decay=0.01, mask=optim.decay_mask, kernel=kernel)
@@ -50,7 +50,7 @@ def main() -> None:
     import optax
 
     from megatrain_jax import optim
-    from megatrain_jax.host_store import Placement
+    from megatrain_jax.stream.placement import Placement
 
     place = Placement()
     n = int(args.gib * 2**30 / 4 / args.chunks)

@@ -20,8 +20,9 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from megatrain_jax import hf, model
+from megatrain_jax import model
 from megatrain_jax.config import load_config
+from megatrain_jax.io import hf
 
 
 def tensor(folder: Path, name: str) -> np.ndarray:

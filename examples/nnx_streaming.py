@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from megatrain_jax import streaming
-from megatrain_jax.data import ByteTokenizer, bundled_text
+from megatrain_jax.io.data import ByteTokenizer, bundled_text
 
 VOCAB, DIM, HEADS, LAYERS, SEQ = 256, 32, 4, 3, 32
 

@@ -19,14 +19,14 @@ import json
 import sys
 from pathlib import Path
 
-from megatrain_jax import plan as planner
 from megatrain_jax.config import (
-    CheckpointError,
     ConfigError,
     load_config,
     load_run_config,
     shipped_configs,
 )
+from megatrain_jax.io.checkpoint import CheckpointError
+from megatrain_jax.tools import plan as planner
 
 EPILOG = """\
 CONFIG is a shipped config name (see `megatrain-jax configs`) or a .json/.gin file.
@@ -97,7 +97,7 @@ def cmd_plan(args) -> int:
         print("compute-bound from: needs measured rates; add --measure on the training machine "
               "(or --rates a bench_step.py JSON)")
     else:
-        from megatrain_jax import roofline
+        from megatrain_jax.tools import roofline
 
         resident = cfg.stream.resident_layers
         b = roofline.bound(cfg.model, rates, resident_layers=resident)
@@ -118,7 +118,7 @@ def cmd_plan(args) -> int:
 
 def _plan_rates(args, cfg):
     """Roofline rates at cfg's tokens per step: from a benchmark JSON, measured, or None."""
-    from megatrain_jax import roofline
+    from megatrain_jax.tools import roofline
 
     if args.rates:
         try:
@@ -131,7 +131,7 @@ def _plan_rates(args, cfg):
     if not args.measure:
         return None
     planner.set_pool_env(cfg)
-    from megatrain_jax.train import measure_rates  # starts JAX
+    from megatrain_jax.tools.roofline import measure_rates  # starts JAX
 
     return measure_rates(cfg)
 
@@ -146,7 +146,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from megatrain_jax.prepare import prepare
+    from megatrain_jax.io.prepare import prepare
 
     meta = prepare(args.inputs, args.out, args.tokenizer, args.progress)
     print(f"wrote {args.out}: {meta['kind']} data, {meta['documents']:,} documents, "
@@ -165,7 +165,7 @@ def cmd_configs(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from megatrain_jax.report import ReportError, report
+    from megatrain_jax.tools.report import ReportError, report
 
     try:
         written, lines = report(args.run_dir)

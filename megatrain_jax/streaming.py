@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from megatrain_jax.engine import StreamEngine, StreamState, Templates
+from megatrain_jax.stream import StreamEngine, StreamState, Templates
 
 
 class TemplateError(ValueError):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import tiny
 
-from megatrain_jax.checkpoint import Checkpointer, CheckpointError
-from megatrain_jax.host_store import memory_kinds
+from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError
+from megatrain_jax.stream.placement import memory_kinds
 from megatrain_jax.train import make_trainer, train
 
 
@@ -44,7 +44,7 @@ def test_resume_gives_the_same_losses_as_an_unbroken_run(tmp_path, trainer):
 
 def test_resume_with_packed_instruction_data_and_evals(tmp_path):
     """Data order over epochs of packed examples, and the eval loss, survive a resume."""
-    from megatrain_jax.prepare import prepare
+    from megatrain_jax.io.prepare import prepare
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "response": f" {i + 1}"}) + "\n"

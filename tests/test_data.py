@@ -8,10 +8,10 @@ import pytest
 
 from megatrain_jax.cli import main
 from megatrain_jax.config import ConfigError, load_config
-from megatrain_jax.data import TokenSource
-from megatrain_jax.prepare import prepare
-from megatrain_jax.reference import ReferenceTrainer
+from megatrain_jax.io.data import TokenSource
+from megatrain_jax.io.prepare import prepare
 from megatrain_jax.train import StreamTrainer, train
+from megatrain_jax.train.reference import ReferenceTrainer
 
 PAIRS = [{"prompt": f"Q{i}: what is {i}+{i}?\n", "response": f"A: {2 * i}."} for i in range(40)]
 

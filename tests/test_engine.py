@@ -10,10 +10,23 @@ from conftest import max_rel_error, tiny
 
 from megatrain_jax import model
 from megatrain_jax.config import ConfigError
-from megatrain_jax.data import TokenSource
-from megatrain_jax.host_store import map_parts, memory_kinds
-from megatrain_jax.reference import ReferenceTrainer
+from megatrain_jax.io.data import TokenSource
+from megatrain_jax.stream import Tracer
+from megatrain_jax.stream.placement import map_parts, memory_kinds
 from megatrain_jax.train import StreamTrainer
+from megatrain_jax.train.reference import ReferenceTrainer
+
+
+class Visits(Tracer):
+    """Calls fn(phase, layer) at every layer visit of the schedule."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def visit(self, phase, index):
+        self.fn(phase, index)
+
 
 CASES = {
     "depth1": ["stream.prefetch_depth=1"],
@@ -84,7 +97,7 @@ def test_twenty_steps_match_reference_with_clipping(update):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert max_rel_error(state.params, ref_state.params) <= 1e-5
     host = update.startswith("host")
-    assert (stream.engine.host_opt is not None) == host
+    assert (stream.engine.host_optimizer is not None) == host
     if update == "device_lion":
         return  # lion keeps one moment
     for moment in ("mu", "nu"):  # the engine keeps Optax state per part, the reference whole
@@ -218,8 +231,8 @@ def test_device_residency_is_bounded(depth):
                 if a.shape == shape and a.sharding.memory_kind == "device" and not a.is_deleted()
             ))
 
-        trainer.engine.observer = observe
-        state, metrics = trainer.train_step(state, TokenSource(cfg).batch_at(0))
+        state, metrics = trainer.train_step(state, TokenSource(cfg).batch_at(0),
+                                            tracer=Visits(observe))
         float(metrics["loss"])
         return max(seen)
 
@@ -233,21 +246,21 @@ def test_host_update_overlaps_the_next_forward():
     cfg = tiny("model.layers=6", "stream.update=host", "stream.prefetch_depth=1")
     trainer = StreamTrainer(cfg)
     engine, log = trainer.engine, []
-    update = engine.host_opt.update
+    update = engine.host_optimizer.update
 
     def slow_update(params, grads, opt_state, scale):
         time.sleep(0.05)
         update(params, grads, opt_state, scale)
         log.append("update")
 
-    engine.host_opt.update = slow_update
-    engine.observer = lambda phase, i: log.append(f"{phase} {i}")
+    engine.host_optimizer.update = slow_update
+    visits = Visits(lambda phase, i: log.append(f"{phase} {i}"))
     data = TokenSource(cfg)
     state = trainer.init(jax.random.key(0))
     state, _ = trainer.train_step(state, data.batch_at(0))
-    assert state.pending is not None and not state.pending.done[-1].is_set()
+    assert state.pending is not None and not state.pending.done("head")
     del log[:]
-    state, _ = trainer.train_step(state, data.batch_at(1))
+    state, _ = trainer.train_step(state, data.batch_at(1), tracer=visits)
     first_forward = log.index("forward 0")
     assert log[first_forward:].count("update") >= 3, log  # head and last layers still pending
     # The forward never runs ahead of the update of the layer it computes, and never lags:
@@ -265,7 +278,7 @@ def test_a_failed_host_update_surfaces_in_the_next_step():
 
     data = TokenSource(cfg)
     state = trainer.init(jax.random.key(0))
-    trainer.engine.host_opt.update = broken
+    trainer.engine.host_optimizer.update = broken
     state, _ = trainer.train_step(state, data.batch_at(0))
     with pytest.raises(RuntimeError, match="host optimizer update failed") as info:
         trainer.train_step(state, data.batch_at(1))

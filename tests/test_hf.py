@@ -6,9 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from megatrain_jax import hf, model
+from megatrain_jax import model
 from megatrain_jax.cli import main
 from megatrain_jax.config import ConfigError, load_config
+from megatrain_jax.io import hf
 
 torch = pytest.importorskip("torch", reason="the README's test command installs torch")
 transformers = pytest.importorskip("transformers")
@@ -106,7 +107,7 @@ def test_bfloat16_export_is_loadable_and_close(tmp_path):
 
 def test_stream_training_from_hf_then_cli_export(tmp_path, capsys):
     """Import into pinned_host, train, checkpoint, export with the CLI: transformers agrees."""
-    from megatrain_jax.host_store import memory_kinds
+    from megatrain_jax.stream.placement import memory_kinds
     from megatrain_jax.train import initial_state, make_trainer, train
 
     source = tmp_path / "source"

@@ -6,9 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from megatrain_jax.host_optim import HostAdamW, writable
-from megatrain_jax.host_store import Placement
 from megatrain_jax.optim import apply_update, decay_mask
+from megatrain_jax.optim.host_adamw import HostAdamW, writable
+from megatrain_jax.stream.placement import Placement
 
 KERNELS = ["numpy"] + (["numba"] if HostAdamW(1e-3).kernel == "numba" else [])
 

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 from conftest import tiny
 
-from megatrain_jax import model, ops
+from megatrain_jax import model
 from megatrain_jax.config import RopeScaling, load_config
+from megatrain_jax.model import ops
 
 
 def _tokens(cfg, b=2, s=16, seed=0):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_jax import plan, roofline
 from megatrain_jax.cli import main
 from megatrain_jax.config import ConfigError, load_config, shipped_configs
+from megatrain_jax.tools import plan, roofline
 
 GiB = 2**30
 BENCH_7B = Path(__file__).parent.parent / "benchmarks" / "results" / "2026-11-21-s2c" / \
@@ -103,13 +103,13 @@ def test_plan_measure_on_this_machine(capsys):
 def test_the_link_is_timed_from_pinned_host_memory_with_resident_layers():
     import jax
 
-    from megatrain_jax.data import TokenSource
+    from megatrain_jax.io.data import TokenSource
     from megatrain_jax.train import StreamTrainer
 
     cfg = load_config("tiny", ["model.layers=3", "stream.resident_layers=2"])
     trainer = StreamTrainer(cfg)
     state = trainer.init(jax.random.key(0))
-    place, kinds = trainer.engine.place, []
+    place, kinds = trainer.engine.placement, []
     to_device = place.to_device
 
     def recording(tree, copy=False):
@@ -173,7 +173,7 @@ def test_host_memory_traffic_bounds_each_phase():
 
 
 def test_measured_host_memory_is_at_least_what_the_update_moved():
-    from megatrain_jax.train import measure_rates
+    from megatrain_jax.tools.roofline import measure_rates
 
     rates = measure_rates(load_config("tiny"))
     assert rates.overlapped_update

@@ -3,8 +3,8 @@ import numpy as np
 from conftest import max_rel_error, tiny
 
 from megatrain_jax import model
-from megatrain_jax.data import TokenSource
-from megatrain_jax.reference import ReferenceTrainer
+from megatrain_jax.io.data import TokenSource
+from megatrain_jax.train.reference import ReferenceTrainer
 
 
 def test_loss_decreases_on_tiny():

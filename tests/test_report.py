@@ -6,8 +6,8 @@ import json
 import pytest
 from conftest import tiny
 
-from megatrain_jax.progress import Progress
-from megatrain_jax.report import ReportError, report
+from megatrain_jax.tools.progress import Progress
+from megatrain_jax.tools.report import ReportError, report
 from megatrain_jax.train import train
 
 FIELDS = ("loss", "lr", "grad_norm", "skipped_steps", "tokens_per_s", "mfu",
@@ -98,7 +98,7 @@ def test_progress_bar_on_a_terminal_redraws_one_line():
 
 
 def test_skipped_steps_are_counted_between_log_lines(tmp_path, monkeypatch):
-    from megatrain_jax import train as train_module
+    from megatrain_jax.train import loop as train_module
 
     batch_at = train_module.TokenSource.batch_at
 

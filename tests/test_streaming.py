@@ -15,7 +15,7 @@ from conftest import max_rel_error
 from flax import nnx
 
 from megatrain_jax import streaming
-from megatrain_jax.host_store import memory_kinds
+from megatrain_jax.stream.placement import memory_kinds
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

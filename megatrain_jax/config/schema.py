@@ -1,29 +1,19 @@
-"""Configuration: nested frozen dataclasses, loaded from JSON or gin, overridden by `a.b=c`.
+"""The configuration's shape: nested frozen dataclasses, the allowed choices, and the checks
+of relations between values that types alone cannot express.
 
-    cfg = load_config("configs/demo.json", ["model.layers=4", "loop.steps=50"])
+    cfg = Config(model=ModelConfig(hidden=512, layers=8))
+    validate(cfg)                  # raises ConfigError naming the value and the fix
 
-Every value is checked against the field's type and allowed choices before anything is
-allocated; an unknown key names the valid keys. Derived sizes are properties.
+Reading files and overrides is `load.py`'s job; Hugging Face config.json is `hf.py`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import json
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message says which and what would be right."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not match the model. (Defined
-    here, beside ConfigError, so the CLI can name both without importing orbax or JAX.)"""
 
 
 @dataclass(frozen=True)
@@ -184,171 +174,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-# Optimizers with an in-place host kernel (megatrain_jax.host_optim); the others update on
+# Optimizers with an in-place host kernel (megatrain_jax.optim.host_adamw); the others update on
 # the device.
 HOST_OPTIMIZERS = ("adamw", "adam")
 
-
-def _suggest(name: str, valid: typing.Iterable[str]) -> str:
-    valid = sorted(valid)
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    return f"{hint} Valid keys: {', '.join(valid)}."
-
-
-def _coerce(value: Any, typ: type, key: str) -> Any:
-    """Checks `value` against a primitive field type; ints are accepted where floats are."""
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-    elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif typ is str:
-        if isinstance(value, str):
-            allowed = CHOICES.get(key)
-            if allowed and value not in allowed:
-                raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}.")
-            return value
-    raise ConfigError(f"{key}: expected {typ.__name__}, got {type(value).__name__} {value!r}.")
-
-
-def from_dict(cls: type, values: dict, prefix: str = "") -> Any:
-    """Builds dataclass `cls` from a nested dict, checking every key and type."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}.")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in values.items():
-        key = f"{prefix}{name}"
-        if name not in fields:
-            raise ConfigError(f"Unknown config key '{key}'.{_suggest(name, fields)}")
-        typ = hints[name]
-        if dataclasses.is_dataclass(typ):
-            kwargs[name] = from_dict(typ, value, key + ".")
-        else:
-            kwargs[name] = _coerce(value, typ, key)
-    return cls(**kwargs)
-
-
-def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def _parse_literal(text: str) -> Any:
-    """`3` -> 3, `1e-4` -> 1e-4, `true` -> True, anything else stays a string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def _set_path(tree: dict, key: str, value: Any) -> None:
-    *parents, leaf = key.split(".")
-    node = tree
-    for p in parents:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{key}: '{p}' is a value, not a section.")
-    node[leaf] = value
-
-
-def apply_overrides(values: dict, overrides: typing.Sequence[str]) -> dict:
-    """Applies `a.b=c` strings to a nested dict (types are checked by `from_dict`)."""
-    values = json.loads(json.dumps(values))
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"Override '{item}' is not of the form section.key=value.")
-        key, text = item.split("=", 1)
-        _set_path(values, key.strip(), _parse_literal(text.strip()))
-    return values
-
-
-class _GinDelegate:
-    def configurable_reference(self, name, evaluate):
-        raise ConfigError(f"gin references (@{name}) are not supported in megatrain configs.")
-
-    def macro(self, name):
-        raise ConfigError(f"gin macros (%{name}) are not supported in megatrain configs.")
-
-
-def _read_gin(path: Path) -> dict:
-    try:
-        from gin import config_parser
-    except ImportError as e:
-        raise ConfigError(
-            f"{path} is a gin file, but gin-config is not installed. "
-            "Install it with: pip install 'megatrain-jax[gin]'"
-        ) from e
-    values: dict = {}
-    parser = config_parser.ConfigParser(path.read_text(), _GinDelegate())
-    for statement in parser:
-        if isinstance(statement, config_parser.IncludeStatement):
-            for key, value in _flatten(_read_file(path.parent / statement.filename)):
-                _set_path(values, key, value)
-        elif isinstance(statement, config_parser.BindingStatement):
-            if statement.scope:
-                raise ConfigError(f"{path}: gin scopes ({statement.scope}/) are not supported.")
-            _set_path(values, f"{statement.selector}.{statement.arg_name}", statement.value)
-        else:
-            raise ConfigError(f"{path}: unsupported gin statement {statement!r}.")
-    return values
-
-
-def _flatten(values: dict, prefix: str = "") -> list[tuple[str, Any]]:
-    out = []
-    for k, v in values.items():
-        if isinstance(v, dict):
-            out += _flatten(v, f"{prefix}{k}.")
-        else:
-            out.append((f"{prefix}{k}", v))
-    return out
-
-
-def _read_file(path: Path) -> dict:
-    if path.suffix == ".gin":
-        return _read_gin(path)
-    try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from e
-    base = values.pop("base", None)
-    if base is not None:  # a config may extend another: {"base": "7b", ...}
-        merged = _read_file(resolve_config_path(base, relative_to=path.parent))
-        for key, value in _flatten(values):
-            _set_path(merged, key, value)
-        values = merged
-    return values
-
-
-def shipped_configs() -> dict[str, Path]:
-    """Named configs shipped with the package: {'tiny': path, 'demo': path, ...}.
-
-    Installed, they sit in `megatrain_jax/configs`; in a source checkout, in `configs/`
-    beside the package.
-    """
-    here = Path(__file__).resolve().parent
-    for folder in (here / "configs", here.parent / "configs"):
-        if folder.is_dir():
-            return {p.stem: p for p in sorted(folder.glob("*.json")) + sorted(folder.glob("*.gin"))}
-    return {}
-
-
-def resolve_config_path(name: str, relative_to: Path | None = None) -> Path:
-    for candidate in (Path(name), (relative_to or Path.cwd()) / name):
-        if candidate.is_file():
-            return candidate
-    shipped = shipped_configs()
-    if name in shipped:
-        return shipped[name]
-    raise ConfigError(
-        f"No config file '{name}', and no shipped config of that name. "
-        f"Shipped configs: {', '.join(shipped)}."
-    )
 
 
 def validate(cfg: Config) -> Config:
@@ -394,29 +223,3 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(message + ".")
     return cfg
 
-
-def load_config(name_or_path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Reads a shipped name or a file (JSON or gin), applies overrides, validates."""
-    values = _read_file(resolve_config_path(name_or_path)) if name_or_path else {}
-    values = apply_overrides(values, overrides)
-    model = values.get("model")
-    if isinstance(model, dict) and model.get("hf_path"):
-        from megatrain_jax.hf import resolve_model_fields  # reads config.json, not weights
-
-        values["model"] = resolve_model_fields(model)
-    return validate(from_dict(Config, values))
-
-
-def load_run_config(run_dir: str | Path) -> Config:
-    """The resolved config a training run wrote to RUN_DIR/config.json."""
-    file = Path(run_dir) / "config.json"
-    if not file.is_file():
-        raise ConfigError(f"{run_dir} has no config.json; is it a training run's folder?")
-    try:
-        return validate(from_dict(Config, json.loads(file.read_text())))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file} is not valid JSON: {e}") from e
-
-
-def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")

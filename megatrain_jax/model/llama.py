@@ -22,8 +22,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax import ops
 from megatrain_jax.config import ModelConfig
+from megatrain_jax.model import ops
 
 
 def _pytree(cls):

@@ -36,9 +36,10 @@ def writable(array: jax.Array) -> np.ndarray:
     JAX arrays are immutable to JAX; the engine owns the host store and writes into it
     only where no computation or transfer can be reading the buffer.
     """
-    kind, platform = array.sharding.memory_kind, next(iter(array.devices())).platform
-    if kind != "pinned_host" and platform != "cpu":
-        raise ValueError(f"host updates need pinned_host arrays, got memory kind {kind!r}")
+    device = next(iter(array.devices()))
+    if device.platform != "cpu" and array.sharding.memory_kind == device.default_memory().kind:
+        raise ValueError("host updates need arrays in host memory, got one in memory kind "
+                         f"{array.sharding.memory_kind!r}")
     array.block_until_ready()
     dtype = np.dtype(array.dtype)
     if dtype not in _CTYPES:

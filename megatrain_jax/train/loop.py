@@ -12,83 +12,26 @@ from __future__ import annotations
 
 import json
 import time
-from functools import partial
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from megatrain_jax import hf, model, optim
-from megatrain_jax.checkpoint import Checkpointer, CheckpointError
-from megatrain_jax.config import Config, ConfigError, load_run_config, save_config, to_dict
-from megatrain_jax.data import TokenSource
-from megatrain_jax.engine import StreamEngine, StreamState, llama_templates
-from megatrain_jax.progress import Progress
-from megatrain_jax.reference import ReferenceTrainer
-from megatrain_jax.timeline import Timeline
-
-# Dense bf16 peak by device kind, for MFU; unknown devices report no MFU.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12}
-
-
-class StreamTrainer:
-    """The Llama-family model on the streaming engine."""
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.engine = StreamEngine(
-            llama_templates(cfg), optim.build_stream_optimizer(cfg),
-            clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
-            saved_inputs=cfg.stream.saved_inputs, micro_batches=cfg.data.micro_batches,
-            learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
-        )
-        self.train_step = self.engine.train_step
-        self.put_params = self.engine.place.to_host  # where imported parameters go
-
-    def init(self, key, params: dict | None = None):
-        if params is not None:
-            return self.engine.state_from_params(params)
-        m = self.cfg.model
-        init_layer = jax.jit(partial(model.init_layer, m))  # compiled once for all layers
-        return self.engine.init_state(
-            lambda: model.init_embed(m, model.layer_key(key, -1)),
-            lambda i: init_layer(model.layer_key(key, i)),
-            lambda: model.init_head(m, model.layer_key(key, -2)),
-            m.layers,
-        )
-
-    def eval_loss(self, state: StreamState, batch: dict):
-        """The loss of `batch` from a streamed forward pass (waits for a pending update)."""
-        return self.engine.eval_loss(state.params, batch)
-
-    def abstract_state(self) -> dict:
-        return self.engine.abstract_state(model.abstract(self.cfg.model))
-
-    def state_tree(self, state) -> dict:
-        return {"params": state.params, "opt_state": state.opt_state}
-
-    def from_tree(self, tree: dict, step: int):
-        return StreamState(tree["params"], tree["opt_state"], step)
-
-
-def make_trainer(cfg: Config):
-    return StreamTrainer(cfg) if cfg.loop.trainer == "stream" else ReferenceTrainer(cfg)
-
-
-def peak_flops() -> float | None:
-    kind = jax.devices()[0].device_kind
-    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
-
-
-def peak_device_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
-
-
-def host_rss_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from megatrain_jax.config import (
+    HOST_OPTIMIZERS,
+    Config,
+    ConfigError,
+    load_run_config,
+    save_config,
+    to_dict,
+)
+from megatrain_jax.io import hf
+from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError
+from megatrain_jax.io.data import TokenSource
+from megatrain_jax.stream import Timeline
+from megatrain_jax.tools.machine import host_rss_bytes, peak_device_bytes, peak_flops
+from megatrain_jax.tools.progress import Progress
+from megatrain_jax.train.trainers import make_trainer
 
 
 def _resume(cfg: Config, trainer, ckpt: Checkpointer | None):
@@ -151,8 +94,10 @@ def evaluate(trainer, state, val: TokenSource, batches: int) -> float:
     return total / max(count, 1.0)
 
 
-def write_timeline(path: Path, bars: list[dict], step: int, cfg: Config, update: str) -> None:
+def write_timeline(path: Path, bars: list[dict], step: int, cfg: Config) -> None:
     """One step's bars (lane, name, start, end in seconds) for `megatrain-jax report`."""
+    update = "host" if cfg.optim.name in HOST_OPTIMIZERS and cfg.stream.update != "device" \
+        else "device"
     doc = {"step": step, "layers": cfg.model.layers, "prefetch_depth": cfg.stream.prefetch_depth,
            "update": update, "bars": bars}
     path.write_text(json.dumps(doc) + "\n")
@@ -180,25 +125,20 @@ def train(cfg: Config, log=None) -> dict:
     history = []
     # Skipped steps are counted on the device, every step, without waiting for any of them.
     skipped = jax.numpy.asarray(skipped_before, jax.numpy.int32)
-    engine = getattr(trainer, "engine", None)
-    if engine is not None and ckpt is not None:
-        engine.before_update = ckpt.wait  # no in-place write under a checkpoint in flight
+    before_write = ckpt.wait if ckpt is not None else None  # a checkpoint may still read
     board = _tensorboard(cfg, run_dir)
     timer = time.perf_counter()
     if not start:
         (run_dir / "eval.jsonl").unlink(missing_ok=True)
     with open(run_dir / "metrics.jsonl", "a" if start else "w") as metrics_file:
         for step in range(start, cfg.loop.steps):
-            timeline = None
-            if engine is not None and step == cfg.loop.timeline_step:
-                engine.timeline = timeline = Timeline()
-            state, metrics = trainer.train_step(state, data.batch_at(step))
+            timeline = Timeline() if step == cfg.loop.timeline_step else None
+            state, metrics = trainer.train_step(state, data.batch_at(step), tracer=timeline,
+                                                before_write=before_write)
             skipped = skipped + metrics.pop("skipped")
             if timeline is not None:
                 state.wait()
-                engine.timeline = None
-                write_timeline(run_dir / "timeline.json", timeline.finish(), step + 1, cfg,
-                               "host" if engine.host_opt is not None else "device")
+                write_timeline(run_dir / "timeline.json", timeline.finish(), step + 1, cfg)
             last = step + 1 == cfg.loop.steps
             if ckpt is not None and ((step + 1) % cfg.loop.checkpoint_every == 0 or last):
                 meta = {"step": step + 1, "data_position": step + 1, "data_seed": cfg.data.seed,
@@ -217,8 +157,6 @@ def train(cfg: Config, log=None) -> dict:
             if (step + 1) % cfg.loop.log_every and not last and step != start:
                 continue
             record = {k: float(np.asarray(v)) for k, v in metrics.items()}
-            if engine is not None:
-                record.update({f"time_{k}": v for k, v in engine.timings.items()})
             seconds = time.perf_counter() - timer  # the read above waited for the step
             steps_done = step + 1 - (history[-1]["step"] if history else start)
             tokens_per_s = steps_done * cfg.data.tokens_per_step / seconds
@@ -247,8 +185,7 @@ def train(cfg: Config, log=None) -> dict:
         board.close()
     if ckpt is not None:
         ckpt.close()
-    if hasattr(state, "wait"):
-        state.wait()
+    state.wait()
     if not history:
         raise RuntimeError("no step ran")
     if cfg.loop.export_dir:
@@ -277,8 +214,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     trainer = make_trainer(cfg)
     tree, _ = ckpt.restore(step, trainer.abstract_state())
     ckpt.close()
-    params = tree["params"] if isinstance(tree, dict) else tree.params
-    return _export(params, cfg, out_dir, dtype, progress)
+    return _export(tree["params"], cfg, out_dir, dtype, progress)
 
 
 def _export(params: dict, cfg: Config, out_dir, dtype: str | None, progress: str) -> Path:
@@ -291,22 +227,3 @@ def _export(params: dict, cfg: Config, out_dir, dtype: str | None, progress: str
     out = hf.save_params(params, cfg.model, out_dir, dtype=dtype, source=source, progress=bar)
     bar.close()
     return out
-
-
-def measure_rates(cfg: Config):
-    """The roofline's rates for `cfg` (a `roofline.Rates`), measured on two of its layers
-    with random tokens: link bandwidths, layer and head times, optimizer rate. The two
-    layers stream (no resident layers); the bound counts cfg's own."""
-    import dataclasses
-
-    from megatrain_jax import roofline
-
-    small = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, layers=min(cfg.model.layers, 2), hf_path=""),
-        data=dataclasses.replace(cfg.data, source="random"),
-        stream=dataclasses.replace(cfg.stream, resident_layers=0),
-        loop=dataclasses.replace(cfg.loop, trainer="stream"))
-    trainer = StreamTrainer(small)
-    state = trainer.init(jax.random.key(0))
-    measured = roofline.measure(cfg, trainer.engine, state, TokenSource(small).batch_at(0))
-    return roofline.Rates.from_result(measured)

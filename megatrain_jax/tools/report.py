@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from megatrain_jax.timeline import LANES
+from megatrain_jax.stream.trace import LANES
 
 LANE_COLORS = {"h2d": "#4C72B0", "compute": "#55A868", "d2h": "#8172B2",
                "host update": "#DD8452", "waits": "#C44E52"}

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from megatrain_jax.config import ConfigError
-from megatrain_jax.data import META, ByteTokenizer
-from megatrain_jax.progress import Progress
+from megatrain_jax.io.data import META, ByteTokenizer
+from megatrain_jax.tools.progress import Progress
 
 
 class HFTokenizer:

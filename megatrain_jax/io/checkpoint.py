@@ -18,14 +18,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import orbax.checkpoint as ocp
 
-from megatrain_jax.config import CheckpointError  # noqa: F401  (raised here, named here)
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not match the model."""
+
+
+def _orbax():
+    """orbax-checkpoint, imported on first use: naming CheckpointError must not start JAX."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
 
 
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        ocp = _orbax()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
         )
@@ -43,6 +51,7 @@ class Checkpointer:
         The arrays of `tree` must not change until `wait()` returns: the engine's in-place
         host update waits for it (StreamEngine.before_update).
         """
+        ocp = _orbax()
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
 
@@ -52,6 +61,7 @@ class Checkpointer:
 
     def read_meta(self, step: int) -> dict:
         path = self.directory / str(step)
+        ocp = _orbax()
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore()))
@@ -66,6 +76,7 @@ class Checkpointer:
             raise CheckpointError(f"no complete checkpoint {path}; complete steps: "
                                   f"{self.steps() or 'none'}")
         meta = self.read_meta(step)
+        ocp = _orbax()
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target)))

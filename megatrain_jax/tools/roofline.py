@@ -182,9 +182,9 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from megatrain_jax import host_optim
+    from megatrain_jax.optim import host_adamw
 
-    place, block = engine.place, jax.block_until_ready
+    place, run, block = engine.placement, engine.programs, jax.block_until_ready
     params = state.params
     # The link is timed from pinned host memory, as the engine streams: resident layers
     # (already on the device, where a transfer would be a no-op) are copied there first.
@@ -195,24 +195,23 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     d2h = median_seconds(lambda: block(place.to_host(on_device)))
 
     weights, embed, head = on_device[0], *place.to_device((params["embed"], params["head"]))
-    b = engine._split(place.to_device(batch))
-    denom = jnp.maximum(jnp.sum(b["mask"]), 1.0)
-    xs = block(engine._embed_fwd(embed, b))
+    b, denom = engine.device_batch(batch)
+    xs = block(run.embed_forward(embed, b))
     zero = jnp.zeros((), jnp.float32)
-    forward = median_seconds(lambda: block(engine._layer_fwd(weights, xs, b)))
+    forward = median_seconds(lambda: block(run.layer_forward(weights, xs, b)))
     backward = median_seconds(
-        lambda: block(engine._layer_bwd(weights, xs, jnp.ones_like(xs), b, zero)))
+        lambda: block(run.layer_backward(weights, xs, jnp.ones_like(xs), b, zero)))
 
     def head_and_embed_backward():  # the serial work: it follows the last update
-        _, dxs, _, dembed, sq = engine._head(head, embed, xs, b, denom)
-        block(engine._embed_bwd(embed, b, dxs, dembed, sq))
+        _, dxs, _, dembed, sq = run.head(head, embed, xs, b, denom)
+        block(run.embed_backward(embed, b, dxs, dembed, sq))
 
     head_s = median_seconds(head_and_embed_backward)
     sample = _optimizer_rate(engine)
-    memory = host_optim.memory_gbps()
+    memory = host_adamw.memory_gbps()
     rates = at_optimizer_rate(
         Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
-              overlapped_update=engine.host_opt is not None),
+              overlapped_update=engine.host_optimizer is not None),
         optimizer_gparams or sample, memory)
     return {**dataclasses.asdict(rates),
             **bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers),
@@ -224,20 +223,39 @@ def _optimizer_rate(engine, mparams: int = 64) -> float:
     import jax
     import jax.numpy as jnp
 
-    place = engine.place
+    place = engine.placement
     n = mparams * 2**20
     params = place.to_host({"w": jnp.full((n // 2**12, 2**12), 0.01, jnp.float32)})
     grads = place.to_host({"w": jnp.full((n // 2**12, 2**12), 1e-3, jnp.float32)})
-    state = place.host_jit(engine.opt.init)(params)
-    if engine.host_opt is not None:
-        seconds = median_seconds(lambda: engine.host_opt.update(params, grads, state, 1.0))
+    state = place.host_jit(engine.optimizer.init)(params)
+    if engine.host_optimizer is not None:
+        seconds = median_seconds(lambda: engine.host_optimizer.update(params, grads, state, 1.0))
     else:
         scale, skip = place.to_host((jnp.float32(1.0), jnp.bool_(False)))
         box = [params, state]
 
         def update():
-            box[:] = engine._update(box[0], grads, box[1], scale, skip)
+            box[:] = engine.programs.update_host(box[0], grads, box[1], scale, skip)
             jax.block_until_ready(box)
 
         seconds = median_seconds(update)
     return n / seconds / 1e9
+
+
+def measure_rates(cfg) -> Rates:
+    """The rates for `cfg`, measured on two of its layers with random tokens: link
+    bandwidths, layer and head times, optimizer rate. The two layers stream (no resident
+    layers); the bound counts cfg's own."""
+    import jax
+
+    from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.train.trainers import StreamTrainer
+
+    small = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, layers=min(cfg.model.layers, 2), hf_path=""),
+        data=dataclasses.replace(cfg.data, source="random"),
+        stream=dataclasses.replace(cfg.stream, resident_layers=0),
+        loop=dataclasses.replace(cfg.loop, trainer="stream"))
+    trainer = StreamTrainer(small)
+    state = trainer.init(jax.random.key(0))
+    return Rates.from_result(measure(cfg, trainer.engine, state, TokenSource(small).batch_at(0)))

@@ -48,7 +48,7 @@ class ByteTokenizer:
 
 def bundled_text() -> str:
     """Genesis, Ruth, Esther, Proverbs and Ecclesiastes (King James Version, 1611)."""
-    blob = resources.files("megatrain_jax").joinpath("kjv_excerpt.txt.gz").read_bytes()
+    blob = resources.files("megatrain_jax.io").joinpath("kjv_excerpt.txt.gz").read_bytes()
     return gzip.decompress(blob).decode("utf-8")
 
 

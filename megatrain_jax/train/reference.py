@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from megatrain_jax import model, optim
 from megatrain_jax.config import Config
-from megatrain_jax.host_store import placed_shapes
+from megatrain_jax.stream.placement import placed_shapes
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["params", "opt_state", "step"],
@@ -30,6 +30,10 @@ class TrainState:
     params: dict
     opt_state: object
     step: jax.Array
+
+    def wait(self) -> "TrainState":
+        """Nothing runs behind a reference step's back: the state is complete as it is."""
+        return self
 
 
 def split_micro_batches(batch: dict, micro_batches: int) -> dict:
@@ -42,7 +46,7 @@ class ReferenceTrainer:
         self.cfg = cfg
         self.opt = optim.build_optimizer(cfg)
         self.lr = optim.learning_rate(cfg)
-        self.train_step = jax.jit(self._train_step, donate_argnums=0)
+        self._train_step_jit = jax.jit(self._train_step, donate_argnums=0)
         self.put_params = jax.device_put  # where imported parameters go
         self._eval_loss = jax.jit(self._eval_loss_impl)
 
@@ -50,16 +54,25 @@ class ReferenceTrainer:
         params = model.init(self.cfg.model, key) if params is None else params
         return TrainState(params, self.opt.init(params), jnp.zeros((), jnp.int32))
 
-    def abstract_state(self) -> TrainState:
-        """Shapes and placement of the state (on the device): a restore target."""
+    def train_step(self, state: TrainState, batch: dict, *, tracer=None,
+                   before_write=None) -> tuple[TrainState, dict]:
+        """One step, jitted, the state donated. `tracer` and `before_write` are accepted for
+        the trainers' common protocol: a checkpoint holds host copies of device arrays, so
+        donating them cannot disturb it."""
+        return self._train_step_jit(state, batch)
+
+    def abstract_state(self) -> dict:
+        """{"params", "opt_state"}: shapes and placement (on the device), a restore target."""
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return placed_shapes(jax.eval_shape(lambda: self.init(jax.random.key(0))), sharding)
+        state = jax.eval_shape(lambda: self.init(jax.random.key(0)))
+        return placed_shapes(self.state_tree(state), sharding)
 
-    def state_tree(self, state: TrainState) -> TrainState:
-        return state
+    def state_tree(self, state: TrainState) -> dict:
+        """What a checkpoint holds, the same for both trainers."""
+        return {"params": state.params, "opt_state": state.opt_state}
 
-    def from_tree(self, tree: TrainState, step: int) -> TrainState:
-        return tree
+    def from_tree(self, tree: dict, step: int) -> TrainState:
+        return TrainState(tree["params"], tree["opt_state"], jnp.asarray(step, jnp.int32))
 
     def grads(self, params: dict, batch: dict):
         """(loss, gradients) of the whole batch, accumulated over micro-batches."""

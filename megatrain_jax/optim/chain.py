@@ -56,7 +56,7 @@ def build_stream_optimizer(cfg: Config):
     `device`: the Optax transformation compiled over host state streamed through the GPU;
     `auto`: host where the optimizer has a host kernel, else device.
     """
-    from megatrain_jax.host_optim import HostAdamW
+    from megatrain_jax.optim.host_adamw import HostAdamW
 
     where, o = cfg.stream.update, cfg.optim  # validate() refused host without a kernel
     if where == "device" or o.name not in HOST_OPTIMIZERS:

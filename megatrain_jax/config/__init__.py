@@ -1,0 +1,37 @@
+"""Configuration: frozen dataclasses (`schema`), read from JSON or gin files with `a.b=c`
+overrides (`load`); a Hugging Face folder's config.json fixes the model's fields (`hf`).
+
+    cfg = load_config("demo", ["model.layers=4", "loop.steps=50"])
+"""
+
+from megatrain_jax.config.load import (
+    apply_overrides,
+    from_dict,
+    load_config,
+    load_run_config,
+    resolve_config_path,
+    save_config,
+    shipped_configs,
+    to_dict,
+)
+from megatrain_jax.config.schema import (
+    CHOICES,
+    HOST_OPTIMIZERS,
+    Config,
+    ConfigError,
+    DataConfig,
+    LoopConfig,
+    ModelConfig,
+    OptimConfig,
+    RopeScaling,
+    ScheduleConfig,
+    StreamConfig,
+    validate,
+)
+
+__all__ = [
+    "CHOICES", "HOST_OPTIMIZERS", "Config", "ConfigError", "DataConfig", "LoopConfig",
+    "ModelConfig", "OptimConfig", "RopeScaling", "ScheduleConfig", "StreamConfig",
+    "apply_overrides", "from_dict", "load_config", "load_run_config", "resolve_config_path",
+    "save_config", "shipped_configs", "to_dict", "validate",
+]

@@ -1,0 +1,215 @@
+"""The streaming engine: host-resident state, one compiled layer template, prefetch and offload.
+
+One training step, for a model of L layers split into `micro_batches` M:
+
+    forward   embed ─► layer 0 ─► … ─► layer L-1 ─► head + loss     (schedule.py)
+    backward  layer L-1 … 0: recompute, VJP, gradient D2H at once   (schedule.py)
+    update    exact global norm ─► clip scale ─► per-part update of the state at home
+
+The update has two homes. With a `HostAdamW` optimizer it runs on a host thread, in place on
+the pinned buffers, part by part in streaming order (updates.py), while the GPU already runs
+the next step: the next forward waits for a part's update only when it fetches that part.
+With any other Optax transformation it runs as one compiled program per part that streams
+the state through the device, at the end of the step. The first `resident_layers` layers
+live in GPU memory (placement.py) and are updated there by donation, beside the host update.
+
+    engine = StreamEngine(templates, optimizer, clip_norm=1.0)
+    state = engine.init_state(init_embed, init_layer, init_head, num_layers)
+    state, metrics = engine.train_step(state, batch)          # tracer=Timeline() to watch
+
+The engine updates host state in place (or donates it): after `train_step`, only the
+returned state is valid, and its host update may still be running: `state.wait()` waits
+for it (the next `train_step` waits by itself, part by part). Metrics are device scalars,
+except the step's timings (`time_*`, seconds, floats); reading a scalar waits for the step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from megatrain_jax.optim import HostAdamW
+from megatrain_jax.stream.placement import Placement, from_parts, part_names, parts
+from megatrain_jax.stream.programs import Templates, build_programs
+from megatrain_jax.stream.schedule import Schedule
+from megatrain_jax.stream.trace import Tracer
+from megatrain_jax.stream.updates import UpdateQueue
+
+
+class StreamState:
+    """Training state at home: parameters and Optax state, part by part.
+
+    `params` and `opt_state` are {"embed": pytree, "layers": [pytree] * L, "head": pytree}.
+    After a step with the host optimizer, their update may still be running: reading
+    `params` or `opt_state` waits for it, so a reader never sees a half-updated model.
+    """
+
+    def __init__(self, params: dict, opt_state: dict, step: int = 0,
+                 pending: UpdateQueue | None = None):
+        self._params, self._opt_state, self.step, self.pending = params, opt_state, step, pending
+
+    @property
+    def params(self) -> dict:
+        return self.wait()._params
+
+    @property
+    def opt_state(self) -> dict:
+        return self.wait()._opt_state
+
+    def wait(self) -> "StreamState":
+        """Waits until the last step's update has written params and opt_state."""
+        if self.pending is not None:
+            self.pending.wait()
+        return self
+
+    def __repr__(self) -> str:
+        return f"StreamState(step={self.step}, layers={len(self._params['layers'])})"
+
+
+class StreamEngine:
+    def __init__(self, templates: Templates,
+                 optimizer: optax.GradientTransformation | HostAdamW, *,
+                 clip_norm: float = 1.0, prefetch_depth: int = 2,
+                 saved_inputs: str = "device", micro_batches: int = 1,
+                 learning_rate: Callable | None = None, device: jax.Device | None = None,
+                 resident_layers: int = 0):
+        self.templates = templates
+        # A HostAdamW updates in place on the host; any other transformation on the device.
+        self.host_optimizer = optimizer if isinstance(optimizer, HostAdamW) else None
+        self.optimizer = optimizer.optax if self.host_optimizer else optimizer
+        self.micro_batches = micro_batches
+        self.learning_rate = learning_rate
+        self.placement = Placement(resident_layers, device, saved_inputs)
+        self.programs = build_programs(templates, self.optimizer, clip_norm, self.placement)
+        self.schedule = Schedule(self.programs, self.placement, prefetch_depth)
+
+    # ----- state ---------------------------------------------------------------------------
+
+    def init_state(self, init_embed: Callable, init_layer: Callable, init_head: Callable,
+                   num_layers: int) -> StreamState:
+        """Builds parameters part by part at home, then the optimizer state beside them."""
+        params = self.placement.init_params(init_embed, init_layer, init_head, num_layers)
+        return StreamState(params, self.placement.init_opt_state(self.optimizer.init, params))
+
+    def state_from_params(self, params: dict, copy: bool = True) -> StreamState:
+        """State from existing parameters (anywhere), e.g. an imported checkpoint. Parts
+        already in pinned host memory are taken over as they are (and updated in place: the
+        import's memory is the state's); with `copy`, parts already on the device are copied
+        where they stay, so donating them leaves `params` whole."""
+        params = self.placement.place_params(params, copy)
+        return StreamState(params, self.placement.init_opt_state(self.optimizer.init, params))
+
+    def abstract_state(self, abstract_params: dict) -> dict:
+        """{"params", "opt_state"} as ShapeDtypeStructs at home: a restore target."""
+        return self.placement.abstract_state(abstract_params, self.optimizer.init)
+
+    # ----- the step ------------------------------------------------------------------------
+
+    def device_batch(self, batch: dict):
+        """The batch on the device, split into micro-batches, and the loss's denominator."""
+        batch = self.placement.to_device(batch)
+        m = self.micro_batches
+        for name, a in batch.items():
+            if a.shape[0] % m:
+                raise ValueError(
+                    f"batch['{name}'] has {a.shape[0]} rows, not divisible into {m} micro-batches")
+        normalizer = self.templates.normalizer or (lambda b: jnp.sum(b["mask"]))
+        denom = jnp.maximum(normalizer(batch), 1.0)
+        return {k: a.reshape(m, a.shape[0] // m, *a.shape[1:]) for k, a in batch.items()}, denom
+
+    def eval_loss(self, params: dict, batch: dict):
+        """The loss of `batch` from a streamed forward pass alone: no gradient, no update."""
+        return self.schedule.eval_loss(params, *self.device_batch(batch))
+
+    def forward_backward(self, params: dict, batch: dict, pending: UpdateQueue | None = None,
+                         tracer: Tracer | None = None):
+        """(loss, gradients, squared global norm, skip, scale) of one streamed step."""
+        return self.schedule.forward_backward(params, *self.device_batch(batch), pending,
+                                              tracer or Tracer())
+
+    def train_step(self, state: StreamState, batch: dict, *, tracer: Tracer | None = None,
+                   before_write: Callable[[], None] | None = None) -> tuple[StreamState, dict]:
+        """One step. `before_write` is called before the update may write the state (a
+        checkpoint still reading it waits there)."""
+        tracer = tracer or Tracer()
+        start = time.perf_counter()
+        loss, grads, sq, skip, scale = self.forward_backward(state._params, batch,
+                                                             state.pending, tracer)
+        state.wait()
+        timings = {}
+        if state.pending is not None:  # the update that overlapped this step's forward
+            timings["update_s"] = state.pending.seconds
+            if state.pending.tracer is not tracer:
+                for name, begin, end in state.pending.spans:
+                    tracer.span("host update", f"{name} (last step's)", begin, end)
+        metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
+        if self.learning_rate is not None:
+            metrics["lr"] = self.learning_rate(state.step)
+        # Reading `skip` waits for the end of the backward pass, which is also what makes
+        # in-place writes safe: every transfer that read the old parameters has completed.
+        skipped = bool(skip)
+        timings["forward_backward_s"] = time.perf_counter() - start
+        if before_write is not None:
+            waiting = time.perf_counter()
+            before_write()
+            tracer.waited("checkpoint", waiting)
+        if self.host_optimizer is not None:
+            new_state = self._host_update(state, grads, skipped, scale, skip, tracer)
+        else:
+            new_state = self._device_update(state, grads, skip, scale, tracer, timings)
+        timings.update({f"wait_{what}_s": s for what, s in tracer.waits.items()})
+        metrics.update({f"time_{name}": s for name, s in timings.items()})
+        return new_state, metrics
+
+    def _host_update(self, state, grads, skipped: bool, scale, skip, tracer) -> StreamState:
+        """Queues the in-place host update part by part and dispatches the resident parts'
+        on the device; a skipped step writes nothing."""
+        params, opt_state = state._params, state._opt_state
+        updates = None
+        if not skipped:
+            host_scale, host = float(scale), self.host_optimizer
+            updates = UpdateQueue(tracer)
+            names = part_names(len(params["layers"]))
+            for k, (p, g, s) in enumerate(zip(parts(params), parts(grads), parts(opt_state))):
+                if not self.placement.is_resident(k):
+                    updates.submit(names[k], lambda p=p, g=g, s=s: host.update(p, g, s,
+                                                                               host_scale))
+            updates.close()
+            params, opt_state = self._resident_updates(params, grads, opt_state, scale, skip,
+                                                       tracer)
+        new_state = StreamState(params, opt_state, state.step + 1, updates)
+        tracer.phase_end("update", lambda: new_state.wait()._params)
+        return new_state
+
+    def _resident_updates(self, params, grads, opt_state, scale, skip, tracer):
+        """Dispatches the resident parts' updates (in place, by donation); new part dicts."""
+        p, g, s = parts(params), parts(grads), parts(opt_state)
+        names = part_names(len(params["layers"]))
+        for k in range(len(p)):
+            if self.placement.is_resident(k):
+                p[k], s[k] = self.programs.update_device(p[k], g[k], s[k], scale, skip)
+                tracer.issued("compute", f"update {names[k]}", p[k])
+        return from_parts(p), from_parts(s)
+
+    def _device_update(self, state, grads, skip, scale, tracer, timings) -> StreamState:
+        """Every part through the GPU by compiled programs, at the end of the step."""
+        updating = time.perf_counter()
+        host_scale, host_skip = self.placement.to_host((scale, skip))
+        params, opt_state = self._resident_updates(state.params, grads, state.opt_state,
+                                                   scale, skip, tracer)
+        p, g, s = parts(params), parts(grads), parts(opt_state)
+        names = part_names(len(params["layers"]))
+        for k in range(len(p)):
+            if not self.placement.is_resident(k):
+                p[k], s[k] = self.programs.update_host(p[k], g[k], s[k], host_scale, host_skip)
+                tracer.issued("compute", f"update {names[k]}", p[k])
+        params, opt_state = from_parts(p), from_parts(s)
+        # Serial with the step anyway: waiting here costs nothing and times the update.
+        jax.block_until_ready((params, opt_state))
+        timings["update_s"] = time.perf_counter() - updating
+        tracer.phase_end("update", lambda: params)
+        return StreamState(params, opt_state, state.step + 1)

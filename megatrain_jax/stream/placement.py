@@ -1,0 +1,146 @@
+"""Where every byte of the training state lives: the one owner of memory kinds.
+
+A model's state is split into parts, in streaming order: `embed`, `layer 0` … `layer L-1`,
+`head`. Each part's fp32 parameters and Optax state have one home: host memory (the
+`pinned_host` memory kind, streamed through the GPU at every visit) or, for the first
+`resident_layers` layers, GPU memory for the whole run. `Placement` answers which, moves
+trees between the two kinds, builds the state in place part by part, and gives the abstract
+shapes (with shardings) that a checkpoint restores into. No other module names a memory
+kind; tests grep the package for it.
+
+    placement = Placement(resident_layers=2)
+    params = placement.init_params(init_embed, init_layer, init_head, num_layers=32)
+    opt_state = placement.init_opt_state(optimizer.init, params)
+    placement.is_resident(3)         # streaming index: 0 embed, 1..L layers, L+1 head
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax.sharding import SingleDeviceSharding
+
+HOST_KIND = "pinned_host"
+DEVICE_KIND = "device"
+
+
+def part_names(num_layers: int) -> list[str]:
+    """The parts in streaming order, as timelines, metrics and the update queue name them."""
+    return ["embed", *(f"layer {i}" for i in range(num_layers)), "head"]
+
+
+def parts(tree: dict) -> list:
+    """A model-shaped dict {"embed", "layers": [...], "head"} as a list in streaming order."""
+    return [tree["embed"], *tree["layers"], tree["head"]]
+
+
+def from_parts(items: list) -> dict:
+    """The inverse of `parts`."""
+    return {"embed": items[0], "layers": list(items[1:-1]), "head": items[-1]}
+
+
+def map_parts(fn: Callable, *trees: dict) -> dict:
+    """Applies fn(part, *same_parts_of_other_trees) to each part of model-shaped dicts."""
+    return from_parts([fn(*group) for group in zip(*(parts(t) for t in trees))])
+
+
+def memory_kinds(tree) -> set[str]:
+    """The memory kinds the arrays of `tree` live in."""
+    return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}
+
+
+def placed_shapes(tree, sharding) -> object:
+    """ShapeDtypeStructs of `tree`'s leaves with `sharding`: a target to restore into."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        tree)
+
+
+class Placement:
+    """One device's two memory kinds, the home of each part, and the moves between them."""
+
+    def __init__(self, resident_layers: int = 0, device: jax.Device | None = None,
+                 saved_inputs: str = DEVICE_KIND):
+        if resident_layers < 0:
+            raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
+        if saved_inputs not in (DEVICE_KIND, HOST_KIND):
+            raise ValueError(f"saved_inputs must be '{DEVICE_KIND}' or '{HOST_KIND}', got "
+                             f"{saved_inputs!r}")
+        self.resident_layers = resident_layers
+        # Where the layer inputs saved for the backward wait: the GPU, or pinned host memory
+        # (fetched back ahead of need, like the weights) when the GPU is short of room.
+        self.offload_inputs = saved_inputs == HOST_KIND
+        self.device = device or jax.devices()[0]
+        self.host_sharding = SingleDeviceSharding(self.device, memory_kind=HOST_KIND)
+        self.device_sharding = SingleDeviceSharding(self.device, memory_kind=DEVICE_KIND)
+
+    # ----- homes ---------------------------------------------------------------------------
+
+    def is_resident(self, index: int) -> bool:
+        """Whether the part at streaming `index` (0 embed, 1..L layers, L+1 head) lives in
+        GPU memory for the whole run. The rule: the first `resident_layers` layers do."""
+        return 1 <= index <= self.resident_layers
+
+    def home(self, index: int) -> SingleDeviceSharding:
+        return self.device_sharding if self.is_resident(index) else self.host_sharding
+
+    def check(self, num_layers: int) -> None:
+        if self.resident_layers > num_layers:
+            raise ValueError(f"resident_layers ({self.resident_layers}) exceeds the model's "
+                             f"{num_layers} layers")
+
+    # ----- moves ---------------------------------------------------------------------------
+
+    def to_host(self, tree):
+        """Starts device -> host copies; returns at once (the copies complete asynchronously)."""
+        return jax.device_put(tree, self.host_sharding)
+
+    def to_device(self, tree, copy: bool = False):
+        """Starts host -> device copies; returns at once. An array already there is returned
+        as it is, unless `copy`."""
+        return jax.device_put(tree, self.device_sharding, may_alias=False if copy else None)
+
+    def place_params(self, params: dict, copy: bool = True) -> dict:
+        """Each part of `params` (anywhere) moved to its home. Parts already at home are taken
+        as they are, except device arrays with `copy` (a resident part's update donates its
+        buffers, which must not be the caller's)."""
+        self.check(len(params["layers"]))
+        return from_parts([
+            self.to_device(part, copy) if self.is_resident(k) else self.to_host(part)
+            for k, part in enumerate(parts(params))])
+
+    def host_jit(self, fn: Callable, donate_argnums=()) -> Callable:
+        """Jits `fn` over host-resident inputs: moved to the device inside, results to host."""
+
+        def on_device(*args):
+            return fn(*jax.device_put(args, self.device_sharding))
+
+        return jax.jit(on_device, out_shardings=self.host_sharding,
+                       donate_argnums=donate_argnums)
+
+    # ----- building state at home ----------------------------------------------------------
+
+    def init_params(self, init_embed: Callable, init_layer: Callable, init_head: Callable,
+                    num_layers: int) -> dict:
+        """Parameters built part by part and moved home before the next is made: the whole
+        model never exists on the device. `init_layer(i)` gives layer i's parameters."""
+        self.check(num_layers)
+        makers = [init_embed, *(lambda i=i: init_layer(i) for i in range(num_layers)),
+                  init_head]
+        return from_parts([jax.device_put(make(), self.home(k))
+                           for k, make in enumerate(makers)])
+
+    def init_opt_state(self, opt_init: Callable, params: dict) -> dict:
+        """Optax state of each part, created on the device and stored in the part's home."""
+        on_host, on_device = self.host_jit(opt_init), jax.jit(opt_init)
+        return from_parts([on_device(p) if self.is_resident(k) else on_host(p)
+                           for k, p in enumerate(parts(params))])
+
+    def abstract_state(self, abstract_params: dict, opt_init: Callable) -> dict:
+        """{"params", "opt_state"} as ShapeDtypeStructs in each part's home: a restore
+        target. Checkpoints do not depend on the homes: any placement restores any."""
+        self.check(len(abstract_params["layers"]))
+        opt_state = map_parts(lambda p: jax.eval_shape(opt_init, p), abstract_params)
+        return {name: from_parts([placed_shapes(part, self.home(k))
+                                  for k, part in enumerate(parts(tree))])
+                for name, tree in (("params", abstract_params), ("opt_state", opt_state))}

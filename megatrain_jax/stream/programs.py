@@ -1,0 +1,130 @@
+"""The step's compiled programs: pure functions of their arguments, built once per engine.
+
+`build_programs(templates, optimizer, clip_norm, placement)` returns a frozen `Programs` of
+jitted functions. Each closes over those values only, never over an object whose attributes
+may change later, so an engine with another clip norm builds other programs. Every layer
+uses the same two layer programs: they compile once whatever the depth.
+
+Shapes: M micro-batches of b rows, S tokens, D hidden; `xs` is [M, b, S, D].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from megatrain_jax import optim
+from megatrain_jax.stream.placement import Placement
+
+
+@dataclasses.dataclass(frozen=True)
+class Templates:
+    """What the engine streams: pure functions over per-part pytrees.
+
+    embed(embed_params, batch) -> x
+    layer(layer_params, x, batch) -> x           (x keeps its shape and dtype)
+    head_loss(head_params, embed_params_or_None, x, batch, denom) -> scalar loss
+    `batch` is one micro-batch (a dict of [b, S, ...] arrays). With `tied`, the head also
+    receives the embedding parameters and the gradient of both reaches the embedding.
+    `normalizer(batch) -> denom` sees the whole batch; the default is the sum of its mask.
+    """
+
+    embed: Callable
+    layer: Callable
+    head_loss: Callable
+    tied: bool = False
+    normalizer: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    embed_forward: Callable    # (embed, batch) -> xs
+    layer_forward: Callable    # (layer, xs, batch) -> xs
+    head: Callable             # (head, embed, xs, batch, denom) -> loss, dxs, dhead, dembed, sq
+    head_eval: Callable        # (head, embed, xs, batch, denom) -> loss
+    layer_backward: Callable   # (layer, xs, dxs, batch, sq) -> dxs_in, dlayer, sq  (dxs donated)
+    embed_backward: Callable   # (embed, batch, dxs, dembed, sq) -> dembed, sq, skip, scale
+    update_host: Callable      # (params, grads, opt_state, scale, skip) on host state, donated
+    update_device: Callable    # the same on device-resident state, donated
+
+
+def build_programs(templates: Templates, optimizer: optax.GradientTransformation,
+                   clip_norm: float, placement: Placement) -> Programs:
+    t = templates
+
+    def embed_forward(embed_params, batch):
+        return jax.lax.map(lambda mb: t.embed(embed_params, mb), batch)  # M b S D
+
+    def layer_forward(params, xs, batch):
+        return jax.lax.map(lambda args: t.layer(params, *args), (xs, batch))
+
+    def head(head_params, embed_params, xs, batch, denom):
+        """Loss, dL/dx for every micro-batch, and the head's (and tied embedding's) grads."""
+        tied = embed_params if t.tied else None
+
+        def one(acc, args):
+            x, mb = args
+            loss_fn = lambda h, e, x_: t.head_loss(h, e, x_, mb, denom)  # noqa: E731
+            loss, (dh, de, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
+                head_params, tied, x)
+            total, dh_acc, de_acc = acc
+            return (total + loss, _add(dh_acc, dh), _add(de_acc, de)), dx
+
+        zeros = (jnp.zeros((), jnp.float32), _zeros_like(head_params), _zeros_like(tied))
+        (loss, dhead, dembed), dxs = jax.lax.scan(one, zeros, (xs, batch))
+        return loss, dxs, dhead, dembed, optim.sum_of_squares(dhead)
+
+    def head_eval(head_params, embed_params, xs, batch, denom):
+        tied = embed_params if t.tied else None
+        losses = jax.lax.map(lambda args: t.head_loss(head_params, tied, *args, denom),
+                             (xs, batch))
+        return jnp.sum(losses)
+
+    def layer_backward(params, xs, dxs, batch, sq):
+        """Recomputes the layer from its saved inputs; returns dL/dx_in, dL/dw, running sq."""
+
+        def one(dw_acc, args):
+            x, dx, mb = args
+            _, vjp = jax.vjp(lambda w, x_: t.layer(w, x_, mb), params, x)
+            dw, dx_in = vjp(dx)
+            return _add(dw_acc, dw), dx_in
+
+        dw, dxs_in = jax.lax.scan(one, _zeros_like(params), (xs, dxs, batch))
+        return dxs_in, dw, sq + optim.sum_of_squares(dw)
+
+    def embed_backward(embed_params, batch, dxs, dembed_from_head, sq):
+        def one(acc, args):
+            mb, dx = args
+            _, vjp = jax.vjp(lambda e: t.embed(e, mb), embed_params)
+            return _add(acc, vjp(dx)[0]), None
+
+        start = dembed_from_head if t.tied else _zeros_like(embed_params)
+        dembed, _ = jax.lax.scan(one, start, (batch, dxs))
+        sq = sq + optim.sum_of_squares(dembed)
+        return dembed, sq, ~jnp.isfinite(sq), optim.clip_scale(sq, clip_norm)
+
+    def update(params, grads, opt_state, scale, skip):
+        return optim.apply_update(optimizer, params, grads, opt_state, scale, skip)
+
+    return Programs(
+        embed_forward=jax.jit(embed_forward),
+        layer_forward=jax.jit(layer_forward),
+        head=jax.jit(head),
+        head_eval=jax.jit(head_eval),
+        layer_backward=jax.jit(layer_backward, donate_argnums=2),
+        embed_backward=jax.jit(embed_backward),
+        update_host=placement.host_jit(update, donate_argnums=(0, 2)),
+        update_device=jax.jit(update, donate_argnums=(0, 2)),
+    )
+
+
+def _add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _zeros_like(tree):
+    return jax.tree.map(jnp.zeros_like, tree)

@@ -1,0 +1,143 @@
+"""The schedule of one step: the forward and backward loops over the model's parts.
+
+    forward   embed ─► layer 0 ─► … ─► layer L-1 ─► head + loss (value and gradient)
+              while layer i computes, the next `depth` parts are already travelling H2D
+    backward  layer L-1 … 0: recompute from the saved input, VJP, gradient D2H at once
+
+Parts are indexed in streaming order (0 embed, 1..L layers, L+1 head) and named as
+`placement.part_names` names them. The loops only dispatch: programs compute, the placement
+moves, the tracer watches, and the previous step's update queue says when a part's new
+weights are written.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable, Iterable, Iterator
+
+import jax
+
+from megatrain_jax.stream.placement import Placement, from_parts, part_names, parts
+from megatrain_jax.stream.programs import Programs
+from megatrain_jax.stream.trace import Tracer
+from megatrain_jax.stream.updates import UpdateQueue
+
+
+class Schedule:
+    def __init__(self, programs: Programs, placement: Placement, prefetch_depth: int = 2):
+        if prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        self.programs, self.placement = programs, placement
+        self.depth = prefetch_depth
+
+    def forward_backward(self, params: dict, batch: dict, denom, pending: UpdateQueue | None,
+                         tracer: Tracer):
+        """Streams one step. `batch` is on the device, split into micro-batches; `pending`
+        is the previous step's update, still running. Returns (loss, gradients in the parts
+        layout, squared global norm, skip, clip scale); host parts' gradients are on the
+        host, resident parts' on the device."""
+        place, run, depth = self.placement, self.programs, self.depth
+        weights, names = parts(params), part_names(len(params["layers"]))
+        layers = len(weights) - 2
+
+        def written(k):
+            return pending is None or pending.done(names[k])
+
+        def fetch(k):  # part k's weights on the device, once its update is written
+            if place.is_resident(k):
+                return weights[k]
+            if not written(k):
+                start = time.perf_counter()
+                pending.wait(names[k])
+                tracer.waited("update", start)
+            return tracer.issued("h2d", names[k], place.to_device(weights[k]))
+
+        embed = fetch(0)
+        xs = tracer.issued("compute", "embed", run.embed_forward(embed, batch))
+        saved, offloads = [], _InFlight(depth, tracer)
+        stream = _prefetched(range(1, layers + 2), fetch, depth, written)
+        for i, w in zip(range(layers), stream):
+            tracer.visit("forward", i)
+            saved.append(offloads.add(tracer.issued("d2h", f"input {i}", place.to_host(xs)))
+                         if place.offload_inputs else xs)
+            xs = tracer.issued("compute", f"forward {i}", run.layer_forward(w, xs, batch))
+            del w
+        loss, dxs, dhead, dembed_head, sq = run.head(next(stream), embed, xs, batch, denom)
+        tracer.issued("compute", "head", dxs)
+        tracer.phase_end("forward", lambda: dxs)
+        del xs
+        grads = [None] * (layers + 2)
+        grads[-1] = tracer.issued("d2h", "head grad", place.to_host(dhead))
+
+        def fetch_back(i):  # layer i's weights and saved input on the device
+            return tracer.issued("h2d", names[i + 1], place.to_device((weights[i + 1], saved[i])))
+
+        order = range(layers - 1, -1, -1)
+        offloads = _InFlight(depth, tracer)
+        for i, (w, x_in) in zip(order, _prefetched(order, fetch_back, depth)):
+            tracer.visit("backward", i)
+            saved[i] = None  # the device copy in x_in is the last one
+            dxs, dw, sq = run.layer_backward(w, x_in, dxs, batch, sq)
+            tracer.issued("compute", f"backward {i}", sq)  # dxs is donated to the next call
+            grads[i + 1] = dw if place.is_resident(i + 1) else offloads.add(
+                tracer.issued("d2h", f"layer {i} grad", place.to_host(dw)))
+            del w, x_in, dw
+        dembed, sq, skip, scale = run.embed_backward(embed, batch, dxs, dembed_head, sq)
+        tracer.issued("compute", "embed backward", sq)
+        grads[0] = tracer.issued("d2h", "embed grad", place.to_host(dembed))
+        tracer.phase_end("backward", lambda: grads)
+        return loss, from_parts(grads), sq, skip, scale
+
+    def eval_loss(self, params: dict, batch: dict, denom):
+        """The loss from a streamed forward pass alone: no gradient, no update."""
+        place, run = self.placement, self.programs
+        embed = place.to_device(params["embed"])
+        xs = run.embed_forward(embed, batch)
+        rest = parts(params)[1:]
+        for i, w in enumerate(_prefetched(rest, place.to_device, self.depth)):
+            if i == len(rest) - 1:
+                return run.head_eval(w, embed, xs, batch, denom)
+            xs = run.layer_forward(w, xs, batch)
+
+
+def _prefetched(items: Iterable, fetch: Callable, depth: int,
+                available: Callable[[object], bool] | None = None) -> Iterator:
+    """Yields fetch(item) in order, having issued the next `depth` fetches before each yield.
+
+    The caller's compute on the yielded value is dispatched after the later transfers are
+    queued, which is the order in which transfers and compute overlap fully. When
+    `available(item)` is false, fetching the item would block (its host update still runs):
+    the fetches already issued are yielded first, so their compute is queued before the wait.
+    """
+    pending = collections.deque()
+    for item in items:
+        if available is not None and not available(item):
+            while pending:
+                yield pending.popleft()
+        pending.append(fetch(item))
+        if len(pending) > depth:
+            yield pending.popleft()
+    while pending:
+        yield pending.popleft()
+
+
+class _InFlight:
+    """Bounds device -> host copies in flight: a device buffer lives until its copy is done.
+
+    Without a bound, the copies of a whole pass can queue behind each other while their
+    device buffers pile up; waiting on the copy issued `limit` items earlier keeps GPU memory
+    flat and, while the link keeps pace, costs nothing (the GPU still has queued work).
+    """
+
+    def __init__(self, limit: int, tracer: Tracer):
+        self.limit, self.tracer = limit, tracer
+        self.pending = collections.deque()
+
+    def add(self, host_tree):
+        self.pending.append(host_tree)
+        if len(self.pending) > self.limit:
+            start = time.perf_counter()
+            jax.block_until_ready(self.pending.popleft())
+            self.tracer.waited("d2h", start)
+        return host_tree

@@ -1,0 +1,98 @@
+"""The host update queue: one step's in-place updates, part by part, on a worker thread.
+
+The schedule submits each part's update as soon as it may run; the next step's forward
+waits for a part only when it fetches that part. Work runs in submission order; each part
+has one completion event, keyed by its name.
+
+    queue = UpdateQueue(tracer)
+    queue.submit("layer 3", lambda: host_optimizer.update(p, g, s, scale))
+    queue.wait("layer 3")       # that part written (a part never submitted: at once)
+    queue.wait()                # everything submitted so far written
+
+Submitting a part again (a redo after validation) clears its event until the new work is
+done. An error in the work stops the queue's later work and is raised by `wait` in the
+caller's thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+from megatrain_jax.stream.trace import Tracer
+
+
+class UpdateQueue:
+    def __init__(self, tracer: Tracer | None = None):
+        self.tracer = tracer or Tracer()
+        self.error: BaseException | None = None
+        self.started: float | None = None
+        self.finished: float | None = None
+        self.spans: list[tuple[str, float, float]] = []  # (part, start, end) as they ran
+        self._events: dict[str, threading.Event] = {}
+        self._pending: dict[str, int] = {}  # submitted and not yet run, per part
+        self._all_done = threading.Event()
+        self._all_done.set()
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._work: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="megatrain-host-update")
+        self._thread.start()
+
+    def submit(self, part: str, work: Callable[[], None]) -> None:
+        with self._lock:
+            self._events.setdefault(part, threading.Event()).clear()
+            self._pending[part] = self._pending.get(part, 0) + 1
+            self._outstanding += 1
+            self._all_done.clear()
+        self._work.put((part, work))
+
+    def done(self, part: str) -> bool:
+        """Whether `part` has no update pending, without waiting."""
+        event = self._events.get(part)
+        return event is None or event.is_set()
+
+    def wait(self, part: str | None = None) -> None:
+        """Waits for `part`'s update (None: every update submitted so far)."""
+        event = self._all_done if part is None else self._events.get(part)
+        if event is not None:
+            event.wait()
+        if self.error is not None:
+            raise RuntimeError("the host optimizer update failed") from self.error
+
+    def close(self) -> None:
+        """No more work: the worker ends once the queue is drained."""
+        self._work.put(None)
+
+    @property
+    def seconds(self) -> float:
+        """From the first work's start to the last's end (0 before any ran)."""
+        if self.started is None or self.finished is None:
+            return 0.0
+        return self.finished - self.started
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            part, work = item
+            start = time.perf_counter()
+            if self.started is None:
+                self.started = start
+            try:
+                if self.error is None:
+                    work()
+            except BaseException as e:  # surfaced in the caller's thread by wait()
+                self.error = e
+            finally:
+                self.finished = time.perf_counter()
+                self.spans.append((part, start, self.finished))
+                self.tracer.span("host update", part, start, self.finished)
+                with self._lock:
+                    self._pending[part] -= 1
+                    if self._pending[part] == 0:
+                        self._events[part].set()
+                    self._outstanding -= 1
+                    if self._outstanding == 0:
+                        self._all_done.set()

@@ -1,0 +1,27 @@
+"""What this machine offers and what the process uses: peak FLOP/s for MFU, peak GPU bytes,
+peak host RSS. Read after JAX has started."""
+
+from __future__ import annotations
+
+import resource
+
+import jax
+
+# Dense bf16 peak by device kind, for MFU; unknown devices report no MFU.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12}
+
+
+def peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
+def peak_device_bytes() -> int | None:
+    """Peak bytes in use on device 0, where the backend reports it (GPUs; not the CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def host_rss_bytes() -> int:
+    """Peak resident set size of this process."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,84 @@
+"""The two trainers of the Llama-family model, behind one protocol.
+
+    trainer = make_trainer(cfg)                     # loop.trainer: stream or reference
+    state = trainer.init(jax.random.key(0))         # or trainer.init(None, params)
+    state, metrics = trainer.train_step(state, batch, tracer=None, before_write=None)
+    tree = trainer.state_tree(state)                # {"params", "opt_state"}: a checkpoint
+    state = trainer.from_tree(restored, step)       # restored into trainer.abstract_state()
+
+A state has `params`, `opt_state`, `step` and `wait()` (which returns once nothing writes it
+any more). `stream` keeps the state at home on the host and streams layers through the GPU;
+`reference` holds the whole model on the device and is the streamed step's exact twin.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+
+from megatrain_jax import model, optim
+from megatrain_jax.config import Config
+from megatrain_jax.stream import StreamEngine, StreamState, Templates
+from megatrain_jax.train.reference import ReferenceTrainer
+
+
+def llama_templates(config: Config) -> Templates:
+    """The built-in Llama-family model as engine templates, from a full `Config`."""
+    cfg, chunk = config.model, config.stream.loss_chunk
+
+    def embed(p, batch):
+        return model.embed(p, batch["inputs"], cfg)
+
+    def layer(p, x, batch):
+        return model.layer(p, x, cfg, batch.get("positions"), batch.get("segment_ids"))
+
+    def head_loss(p, embed_params, x, batch, denom):
+        return model.head_loss(p, embed_params, x, batch["targets"], batch["mask"], cfg,
+                               denom, chunk)
+
+    return Templates(embed, layer, head_loss, tied=cfg.tie_embeddings)
+
+
+class StreamTrainer:
+    """The Llama-family model on the streaming engine."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.engine = StreamEngine(
+            llama_templates(cfg), optim.build_stream_optimizer(cfg),
+            clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
+            saved_inputs=cfg.stream.saved_inputs, micro_batches=cfg.data.micro_batches,
+            learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
+        )
+        self.train_step = self.engine.train_step
+        self.put_params = self.engine.placement.to_host  # where imported parameters go
+
+    def init(self, key, params: dict | None = None) -> StreamState:
+        if params is not None:
+            return self.engine.state_from_params(params)
+        m = self.cfg.model
+        init_layer = jax.jit(partial(model.init_layer, m))  # compiled once for all layers
+        return self.engine.init_state(
+            lambda: model.init_embed(m, model.layer_key(key, -1)),
+            lambda i: init_layer(model.layer_key(key, i)),
+            lambda: model.init_head(m, model.layer_key(key, -2)),
+            m.layers,
+        )
+
+    def eval_loss(self, state: StreamState, batch: dict):
+        """The loss of `batch` from a streamed forward pass (waits for a pending update)."""
+        return self.engine.eval_loss(state.params, batch)
+
+    def abstract_state(self) -> dict:
+        return self.engine.abstract_state(model.abstract(self.cfg.model))
+
+    def state_tree(self, state: StreamState) -> dict:
+        return {"params": state.params, "opt_state": state.opt_state}
+
+    def from_tree(self, tree: dict, step: int) -> StreamState:
+        return StreamState(tree["params"], tree["opt_state"], step)
+
+
+def make_trainer(cfg: Config):
+    return StreamTrainer(cfg) if cfg.loop.trainer == "stream" else ReferenceTrainer(cfg)

@@ -76,7 +76,20 @@ def pinned_pool_bytes(cfg: Config) -> int:
         return int(cfg.stream.host_memory_gb * GiB)
     host = estimate(cfg)["host"]
     pinned = sum(n for name, n in host.items() if name != "runtime_overhead")
-    return int(pinned * 1.1) + 2 * GiB
+    return int(pinned * 1.1) + 2 * GiB + measurement_bytes(cfg)
+
+
+# The roofline's measurement (`plan --measure`, bench_step) times the link on pinned copies of
+# `MEASURED_LAYERS` layers and the host optimizer on a sample of `OPTIMIZER_SAMPLE` parameters
+# (weights, gradients and two moments), whatever the run keeps on the GPU.
+MEASURED_LAYERS = 2
+OPTIMIZER_SAMPLE = 64 * 2**20
+
+
+def measurement_bytes(cfg: Config) -> int:
+    """Pinned bytes the rate measurement allocates beside the state."""
+    layers = min(MEASURED_LAYERS, cfg.model.layers)
+    return 4 * layers * cfg.model.params_per_layer + 16 * OPTIMIZER_SAMPLE
 
 
 def gpu_memory_bytes() -> int | None:

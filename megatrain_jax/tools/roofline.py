@@ -174,21 +174,23 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
 
     `state` may hold fewer layers than `cfg.model` (a few suffice); the bound is for
     `cfg.model`. The optimizer's rate is `optimizer_gparams` when given (this model's own
-    update, timed by the caller), else that of an update of a 64M-parameter sample; the
-    sample's rate is reported either way (`optimizer_sample_gparams`). The host memory's
-    bandwidth is the larger of a streaming kernel's (`host_memory_kernel_gbps`) and what the
-    host update moved at the optimizer's rate.
+    update, timed by the caller), else that of an update of `plan.OPTIMIZER_SAMPLE`
+    parameters; the sample's rate is reported either way (`optimizer_sample_gparams`). The
+    host memory's bandwidth is the larger of a streaming kernel's (`host_memory_kernel_gbps`)
+    and what the host update moved at the optimizer's rate.
     """
     import jax
     import jax.numpy as jnp
 
     from megatrain_jax.optim import host_adamw
+    from megatrain_jax.tools import plan
 
     place, run, block = engine.placement, engine.programs, jax.block_until_ready
     params = state.params
     # The link is timed from pinned host memory, as the engine streams: resident layers
     # (already on the device, where a transfer would be a no-op) are copied there first.
-    layers = block(place.to_host(params["layers"][: min(4, len(params["layers"]))]))
+    # The pinned pool is sized with room for these copies (plan.measurement_bytes).
+    layers = block(place.to_host(params["layers"][: plan.MEASURED_LAYERS]))
     nbytes = sum(a.nbytes for a in jax.tree.leaves(layers))
     h2d = median_seconds(lambda: block(place.to_device(layers)))
     on_device = block(place.to_device(layers))
@@ -218,13 +220,15 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": memory}
 
 
-def _optimizer_rate(engine, mparams: int = 64) -> float:
-    """G params/s of the engine's update on 64M fp32 parameters held in pinned host memory."""
+def _optimizer_rate(engine) -> float:
+    """G params/s of the engine's update on a sample of fp32 parameters in pinned memory."""
     import jax
     import jax.numpy as jnp
 
+    from megatrain_jax.tools.plan import OPTIMIZER_SAMPLE
+
     place = engine.placement
-    n = mparams * 2**20
+    n = OPTIMIZER_SAMPLE
     params = place.to_host({"w": jnp.full((n // 2**12, 2**12), 0.01, jnp.float32)})
     grads = place.to_host({"w": jnp.full((n // 2**12, 2**12), 1e-3, jnp.float32)})
     state = place.host_jit(engine.optimizer.init)(params)

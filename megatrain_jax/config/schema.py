@@ -127,6 +127,9 @@ class StreamConfig:
     host_memory_gb: float = 0.0  # pinned pool; 0: sized from the model
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
     resident_layers: int = 0  # the first K layers' weights and optimizer state stay on the GPU
+    # Host update during the backward on the guess that the step will not clip (undone and
+    # redone when it does): auto (guess when the last step did not clip), on, off.
+    speculate: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "schedule.kind": ("cosine", "linear", "constant"),
     "stream.saved_inputs": ("device", "pinned_host"),
     "stream.update": ("auto", "host", "device"),
+    "stream.speculate": ("auto", "on", "off"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),
     "loop.tensorboard": ("auto", "on", "off"),

@@ -27,6 +27,8 @@ import jax
 import numpy as np
 import optax
 
+from megatrain_jax.optim import adamw_inverse
+
 _CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.int32): ctypes.c_int32}
 
 
@@ -150,6 +152,8 @@ class HostAdamW:
         if kernel not in ("auto", "numba", "numpy"):
             raise ValueError(f"kernel must be 'auto', 'numba' or 'numpy', got {kernel!r}")
         self._numba = numba_kernel
+        self._undo = (adamw_inverse.numba_undo() if numba_kernel else None) or \
+            adamw_inverse.undo_numpy
         self.kernel = "numba" if numba_kernel else "numpy"
         self._pool = None if numba_kernel else ThreadPoolExecutor(threads or os.cpu_count())
         self._lr_cache: tuple[int, np.float32] | None = None
@@ -166,8 +170,19 @@ class HostAdamW:
 
     def update(self, params, grads, opt_state, scale: float) -> None:
         """One AdamW step with gradients multiplied by `scale`, written into params/opt_state."""
+        self._apply(params, grads, opt_state, scale, undo=False)
+
+    def undo(self, params, grads, opt_state, scale: float) -> None:
+        """Reverts the last `update(params, grads, opt_state, scale)` of these arrays, in place,
+        to within fp32 rounding (optim/adamw_inverse.py states the bound)."""
+        self._apply(params, grads, opt_state, scale, undo=True)
+
+    def _apply(self, params, grads, opt_state, scale: float, undo: bool) -> None:
         adam, schedule = opt_state[0], opt_state[-1]
         counts = writable(adam.count), writable(schedule.count)
+        if undo:  # back to the counts the step started from: the same scalars follow
+            counts[0][0] -= 1
+            counts[1][0] -= 1
         step = int(counts[1][0])
         f = np.float32
         b1, b2 = f(self.b1), f(self.b2)
@@ -181,9 +196,12 @@ class HostAdamW:
         for p, g, mu, nu, decay in leaves:
             wd = f(self.weight_decay if decay else 0.0)
             views = (writable(p), writable(g), writable(mu), writable(nu))
-            if self._numba is not None:
+            if undo:
+                self._undo(*views, *args, wd)
+            elif self._numba is not None:
                 self._numba(*views, *args, wd)
             else:
                 _adamw_numpy(*views, *args, wd, pool=self._pool)
-        counts[0][0] = min(t, np.iinfo(np.int32).max)
-        counts[1][0] = min(step + 1, np.iinfo(np.int32).max)
+        if not undo:
+            counts[0][0] = min(t, np.iinfo(np.int32).max)
+            counts[1][0] = min(step + 1, np.iinfo(np.int32).max)

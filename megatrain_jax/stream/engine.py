@@ -25,6 +25,7 @@ except the step's timings (`time_*`, seconds, floats); reading a scalar waits fo
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -36,8 +37,8 @@ from megatrain_jax.optim import HostAdamW
 from megatrain_jax.stream.placement import Placement, from_parts, part_names, parts
 from megatrain_jax.stream.programs import Templates, build_programs
 from megatrain_jax.stream.schedule import Schedule
+from megatrain_jax.stream.speculation import MODES, StepUpdate, policy
 from megatrain_jax.stream.trace import Tracer
-from megatrain_jax.stream.updates import UpdateQueue
 
 
 class StreamState:
@@ -49,8 +50,11 @@ class StreamState:
     """
 
     def __init__(self, params: dict, opt_state: dict, step: int = 0,
-                 pending: UpdateQueue | None = None):
+                 pending: StepUpdate | None = None, last_grad_norm: float | None = None):
         self._params, self._opt_state, self.step, self.pending = params, opt_state, step, pending
+        # The last step's gradient norm (inf when it was skipped; None before any step):
+        # what the speculation policy reads, and what a checkpoint keeps for it.
+        self.last_grad_norm = last_grad_norm
 
     @property
     def params(self) -> dict:
@@ -76,8 +80,11 @@ class StreamEngine:
                  clip_norm: float = 1.0, prefetch_depth: int = 2,
                  saved_inputs: str = "device", micro_batches: int = 1,
                  learning_rate: Callable | None = None, device: jax.Device | None = None,
-                 resident_layers: int = 0):
+                 resident_layers: int = 0, speculate: str = "auto"):
+        if speculate not in MODES:
+            raise ValueError(f"speculate must be one of {', '.join(MODES)}, got {speculate!r}")
         self.templates = templates
+        self.clip_norm, self.speculate = clip_norm, speculate
         # A HostAdamW updates in place on the host; any other transformation on the device.
         self.host_optimizer = optimizer if isinstance(optimizer, HostAdamW) else None
         self.optimizer = optimizer.optax if self.host_optimizer else optimizer
@@ -125,11 +132,11 @@ class StreamEngine:
         """The loss of `batch` from a streamed forward pass alone: no gradient, no update."""
         return self.schedule.eval_loss(params, *self.device_batch(batch))
 
-    def forward_backward(self, params: dict, batch: dict, pending: UpdateQueue | None = None,
-                         tracer: Tracer | None = None):
+    def forward_backward(self, params: dict, batch: dict, pending: StepUpdate | None = None,
+                         tracer: Tracer | None = None, on_gradient: Callable | None = None):
         """(loss, gradients, squared global norm, skip, scale) of one streamed step."""
         return self.schedule.forward_backward(params, *self.device_batch(batch), pending,
-                                              tracer or Tracer())
+                                              tracer or Tracer(), on_gradient)
 
     def train_step(self, state: StreamState, batch: dict, *, tracer: Tracer | None = None,
                    before_write: Callable[[], None] | None = None) -> tuple[StreamState, dict]:
@@ -137,51 +144,67 @@ class StreamEngine:
         checkpoint still reading it waits there)."""
         tracer = tracer or Tracer()
         start = time.perf_counter()
+        update, on_gradient = None, None
+        if self.host_optimizer is not None:
+            guess = policy(self.speculate, self.clip_norm, state.last_grad_norm)
+            update = StepUpdate(self.host_optimizer, self.clip_norm, guess, tracer, before_write)
+            on_gradient = self._guesser(state, update)
         loss, grads, sq, skip, scale = self.forward_backward(state._params, batch,
-                                                             state.pending, tracer)
+                                                             state.pending, tracer, on_gradient)
         state.wait()
-        timings = {}
-        if state.pending is not None:  # the update that overlapped this step's forward
-            timings["update_s"] = state.pending.seconds
-            if state.pending.tracer is not tracer:
-                for name, begin, end in state.pending.spans:
-                    tracer.span("host update", f"{name} (last step's)", begin, end)
         metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
         if self.learning_rate is not None:
             metrics["lr"] = self.learning_rate(state.step)
+        timings = {}
+        if state.pending is not None:  # the update that overlapped this step's forward
+            timings["update_s"] = state.pending.seconds
+            metrics["speculated_parts"] = len(state.pending.speculated)
+            metrics["rolled_back_parts"] = state.pending.rolled_back
+            if state.pending.tracer is not tracer:
+                for name, begin, end in state.pending.spans:
+                    tracer.span("host update", f"{name} (last step's)", begin, end)
         # Reading `skip` waits for the end of the backward pass, which is also what makes
         # in-place writes safe: every transfer that read the old parameters has completed.
         skipped = bool(skip)
         timings["forward_backward_s"] = time.perf_counter() - start
-        if before_write is not None:
-            waiting = time.perf_counter()
-            before_write()
-            tracer.waited("checkpoint", waiting)
-        if self.host_optimizer is not None:
-            new_state = self._host_update(state, grads, skipped, scale, skip, tracer)
+        if update is not None:
+            new_state = self._host_update(state, grads, skipped, scale, skip, update, tracer)
+            new_state.last_grad_norm = math.inf if skipped else math.sqrt(float(sq))
         else:
+            if before_write is not None:
+                waiting = time.perf_counter()
+                before_write()
+                tracer.waited("checkpoint", waiting)
             new_state = self._device_update(state, grads, skip, scale, tracer, timings)
         timings.update({f"wait_{what}_s": s for what, s in tracer.waits.items()})
         metrics.update({f"time_{name}": s for name, s in timings.items()})
         return new_state, metrics
 
-    def _host_update(self, state, grads, skipped: bool, scale, skip, tracer) -> StreamState:
-        """Queues the in-place host update part by part and dispatches the resident parts'
-        on the device; a skipped step writes nothing."""
+    def _guesser(self, state: StreamState, update: StepUpdate) -> Callable:
+        """The schedule's on_gradient: hands each host part's gradient to the update."""
+        names = part_names(len(state._params["layers"]))
+        params, opt_state = parts(state._params), parts(state._opt_state)
+
+        def on_gradient(k, grads, part_sq):
+            update.gradient_ready(names[k], params[k], grads, opt_state[k], part_sq)
+
+        return on_gradient
+
+    def _host_update(self, state, grads, skipped: bool, scale, skip, update: StepUpdate,
+                     tracer) -> StreamState:
+        """Settles the host update part by part in streaming order (the next forward's order)
+        and dispatches the resident parts' on the device; a skipped step writes nothing."""
         params, opt_state = state._params, state._opt_state
-        updates = None
+        host_scale = float(scale)
+        names = part_names(len(params["layers"]))
+        for k, (p, g, s) in enumerate(zip(parts(params), parts(grads), parts(opt_state))):
+            if not self.placement.is_resident(k):
+                update.settle(names[k], p, g, s, skipped, host_scale)
+        update.close()
         if not skipped:
-            host_scale, host = float(scale), self.host_optimizer
-            updates = UpdateQueue(tracer)
-            names = part_names(len(params["layers"]))
-            for k, (p, g, s) in enumerate(zip(parts(params), parts(grads), parts(opt_state))):
-                if not self.placement.is_resident(k):
-                    updates.submit(names[k], lambda p=p, g=g, s=s: host.update(p, g, s,
-                                                                               host_scale))
-            updates.close()
             params, opt_state = self._resident_updates(params, grads, opt_state, scale, skip,
                                                        tracer)
-        new_state = StreamState(params, opt_state, state.step + 1, updates)
+        new_state = StreamState(params, opt_state, state.step + 1, update)
         tracer.phase_end("update", lambda: new_state.wait()._params)
         return new_state
 

@@ -46,7 +46,8 @@ class Programs:
     layer_forward: Callable    # (layer, xs, batch) -> xs
     head: Callable             # (head, embed, xs, batch, denom) -> loss, dxs, dhead, dembed, sq
     head_eval: Callable        # (head, embed, xs, batch, denom) -> loss
-    layer_backward: Callable   # (layer, xs, dxs, batch, sq) -> dxs_in, dlayer, sq  (dxs donated)
+    layer_backward: Callable   # (layer, xs, dxs, batch, sq) -> dxs_in, dlayer, sq, layer's sq
+                               # (dxs donated)
     embed_backward: Callable   # (embed, batch, dxs, dembed, sq) -> dembed, sq, skip, scale
     update_host: Callable      # (params, grads, opt_state, scale, skip) on host state, donated
     update_device: Callable    # the same on device-resident state, donated
@@ -85,7 +86,8 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         return jnp.sum(losses)
 
     def layer_backward(params, xs, dxs, batch, sq):
-        """Recomputes the layer from its saved inputs; returns dL/dx_in, dL/dw, running sq."""
+        """Recomputes the layer from its saved inputs; returns dL/dx_in, dL/dw, the running sum
+        of squares and the layer's own."""
 
         def one(dw_acc, args):
             x, dx, mb = args
@@ -94,7 +96,8 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
             return _add(dw_acc, dw), dx_in
 
         dw, dxs_in = jax.lax.scan(one, _zeros_like(params), (xs, dxs, batch))
-        return dxs_in, dw, sq + optim.sum_of_squares(dw)
+        own = optim.sum_of_squares(dw)
+        return dxs_in, dw, sq + own, own
 
     def embed_backward(embed_params, batch, dxs, dembed_from_head, sq):
         def one(acc, args):

@@ -21,7 +21,6 @@ import jax
 from megatrain_jax.stream.placement import Placement, from_parts, part_names, parts
 from megatrain_jax.stream.programs import Programs
 from megatrain_jax.stream.trace import Tracer
-from megatrain_jax.stream.updates import UpdateQueue
 
 
 class Schedule:
@@ -31,12 +30,14 @@ class Schedule:
         self.programs, self.placement = programs, placement
         self.depth = prefetch_depth
 
-    def forward_backward(self, params: dict, batch: dict, denom, pending: UpdateQueue | None,
-                         tracer: Tracer):
+    def forward_backward(self, params: dict, batch: dict, denom, pending, tracer: Tracer,
+                         on_gradient: Callable | None = None):
         """Streams one step. `batch` is on the device, split into micro-batches; `pending`
-        is the previous step's update, still running. Returns (loss, gradients in the parts
-        layout, squared global norm, skip, clip scale); host parts' gradients are on the
-        host, resident parts' on the device."""
+        is the previous step's update (done(name), wait(name)), still running. Returns
+        (loss, gradients in the parts layout, squared global norm, skip, clip scale); host
+        parts' gradients are on the host, resident parts' on the device. During the
+        backward, on_gradient(k, host_gradient, its_sum_of_squares) is called for each host
+        part k but the embedding (the last) once its gradient's copy is issued."""
         place, run, depth = self.placement, self.programs, self.depth
         weights, names = parts(params), part_names(len(params["layers"]))
         layers = len(weights) - 2
@@ -69,6 +70,8 @@ class Schedule:
         del xs
         grads = [None] * (layers + 2)
         grads[-1] = tracer.issued("d2h", "head grad", place.to_host(dhead))
+        if on_gradient is not None:
+            on_gradient(layers + 1, grads[-1], sq)  # sq is the head's alone so far
 
         def fetch_back(i):  # layer i's weights and saved input on the device
             return tracer.issued("h2d", names[i + 1], place.to_device((weights[i + 1], saved[i])))
@@ -78,10 +81,15 @@ class Schedule:
         for i, (w, x_in) in zip(order, _prefetched(order, fetch_back, depth)):
             tracer.visit("backward", i)
             saved[i] = None  # the device copy in x_in is the last one
-            dxs, dw, sq = run.layer_backward(w, x_in, dxs, batch, sq)
+            dxs, dw, sq, own_sq = run.layer_backward(w, x_in, dxs, batch, sq)
             tracer.issued("compute", f"backward {i}", sq)  # dxs is donated to the next call
-            grads[i + 1] = dw if place.is_resident(i + 1) else offloads.add(
-                tracer.issued("d2h", f"layer {i} grad", place.to_host(dw)))
+            if place.is_resident(i + 1):
+                grads[i + 1] = dw
+            else:
+                grads[i + 1] = offloads.add(
+                    tracer.issued("d2h", f"layer {i} grad", place.to_host(dw)))
+                if on_gradient is not None:
+                    on_gradient(i + 1, grads[i + 1], own_sq)
             del w, x_in, dw
         dembed, sq, skip, scale = run.embed_backward(embed, batch, dxs, dembed_head, sq)
         tracer.issued("compute", "embed backward", sq)

@@ -55,7 +55,8 @@ def _resume(cfg: Config, trainer, ckpt: Checkpointer | None):
             "raise loop.steps to train on, or use another loop.run_dir."
         )
     tree, meta = ckpt.restore(step, trainer.abstract_state())
-    return trainer.from_tree(tree, step), meta["data_position"], meta.get("skipped_steps", 0)
+    return (trainer.from_tree(tree, step, meta.get("state", {})), meta["data_position"],
+            meta.get("skipped_steps", 0))
 
 
 def initial_state(cfg: Config, trainer):
@@ -143,7 +144,7 @@ def train(cfg: Config, log=None) -> dict:
             if ckpt is not None and ((step + 1) % cfg.loop.checkpoint_every == 0 or last):
                 meta = {"step": step + 1, "data_position": step + 1, "data_seed": cfg.data.seed,
                         "loop_seed": cfg.loop.seed, "model": to_dict(cfg)["model"],
-                        "skipped_steps": int(skipped)}
+                        "skipped_steps": int(skipped), "state": trainer.state_record(state)}
                 ckpt.save(step + 1, trainer.state_tree(state), meta)
             if val is not None and ((step + 1) % cfg.loop.eval_every == 0 or last):
                 began = time.perf_counter()

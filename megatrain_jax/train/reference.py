@@ -71,7 +71,11 @@ class ReferenceTrainer:
         """What a checkpoint holds, the same for both trainers."""
         return {"params": state.params, "opt_state": state.opt_state}
 
-    def from_tree(self, tree: dict, step: int) -> TrainState:
+    def state_record(self, state: TrainState) -> dict:
+        """What a checkpoint's record keeps of the state beyond its arrays: nothing."""
+        return {}
+
+    def from_tree(self, tree: dict, step: int, record: dict | None = None) -> TrainState:
         return TrainState(tree["params"], tree["opt_state"], jnp.asarray(step, jnp.int32))
 
     def grads(self, params: dict, batch: dict):

@@ -4,7 +4,8 @@
     state = trainer.init(jax.random.key(0))         # or trainer.init(None, params)
     state, metrics = trainer.train_step(state, batch, tracer=None, before_write=None)
     tree = trainer.state_tree(state)                # {"params", "opt_state"}: a checkpoint
-    state = trainer.from_tree(restored, step)       # restored into trainer.abstract_state()
+    record = trainer.state_record(state)            # JSON facts the checkpoint keeps beside
+    state = trainer.from_tree(restored, step, record)  # into trainer.abstract_state()
 
 A state has `params`, `opt_state`, `step` and `wait()` (which returns once nothing writes it
 any more). `stream` keeps the state at home on the host and streams layers through the GPU;
@@ -50,6 +51,7 @@ class StreamTrainer:
             clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
             saved_inputs=cfg.stream.saved_inputs, micro_batches=cfg.data.micro_batches,
             learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
+            speculate=cfg.stream.speculate,
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.to_host  # where imported parameters go
@@ -76,8 +78,14 @@ class StreamTrainer:
     def state_tree(self, state: StreamState) -> dict:
         return {"params": state.params, "opt_state": state.opt_state}
 
-    def from_tree(self, tree: dict, step: int) -> StreamState:
-        return StreamState(tree["params"], tree["opt_state"], step)
+    def state_record(self, state: StreamState) -> dict:
+        """The last gradient norm, which decides whether the next step speculates: kept so
+        that a resumed run takes the same path, bit for bit, as an unbroken one."""
+        return {"last_grad_norm": state.last_grad_norm}
+
+    def from_tree(self, tree: dict, step: int, record: dict | None = None) -> StreamState:
+        return StreamState(tree["params"], tree["opt_state"], step,
+                           last_grad_norm=(record or {}).get("last_grad_norm"))
 
 
 def make_trainer(cfg: Config):

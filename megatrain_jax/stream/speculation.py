@@ -1,0 +1,125 @@
+"""One step's host update, started during the backward on a guess and settled once the
+global norm is known.
+
+Exact clipping needs every gradient before any update. Waiting for that puts the whole host
+update after the backward; guessing instead that the step will not clip lets each part's
+update start as soon as its gradient is on the host, while the backward goes on:
+
+    backward  head grad ─► speculate(head) ─► layer L-1 grad ─► speculate(layer L-1) ─► …
+    validate  norm <= clip: the guesses stand; the embedding (last) is updated as usual
+              norm >  clip: each guessed part is undone (adamw_inverse.py) and redone scaled
+              not finite:   each guessed part is undone; the step is skipped
+
+A part is never guessed when its own gradient is not finite, so no NaN or Inf reaches the
+state; nor once the norm of the gradients seen so far passes the clip threshold (the guess
+is then known wrong). All of it runs on the update queue's worker in submission order, so a
+part's settling always follows its guess, and the next step's forward waits for a part only
+when it fetches it. `policy` decides per step whether to guess at all.
+
+    update = StepUpdate(host_optimizer, clip_norm, speculate=True, tracer=tracer)
+    update.gradient_ready("layer 7", p, g, s, part_sq)    # during the backward
+    update.settle("layer 7", p, g, s, skip=False, scale=0.8)  # after it, in streaming order
+    update.close()
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from megatrain_jax.stream.trace import Tracer
+from megatrain_jax.stream.updates import UpdateQueue
+
+MODES = ("auto", "on", "off")
+
+
+def policy(mode: str, clip_norm: float, last_norm: float | None) -> bool:
+    """Whether a step guesses that it will not clip, from the last step's gradient norm
+    (inf for a skipped step, None before the first).
+
+    `auto` guesses when the last step's norm was within the threshold: a run that clips
+    every step then never guesses (and pays nothing), one that rarely clips nearly always
+    does. The first step, with no norm yet, does not guess. `on` always guesses (a wrong guess
+    costs an undo and a redo of the guessed parts), `off` never.
+    """
+    if mode == "off":
+        return False
+    if mode == "on" or clip_norm <= 0:
+        return True
+    return last_norm is not None and last_norm <= clip_norm
+
+
+class StepUpdate:
+    """The host update of one step: the update queue plus the guesses made on it."""
+
+    def __init__(self, host_optimizer, clip_norm: float, speculate: bool,
+                 tracer: Tracer | None = None, before_write: Callable[[], None] | None = None):
+        self.host, self.clip_norm, self.speculate = host_optimizer, clip_norm, speculate
+        self.queue = UpdateQueue(tracer)
+        self.tracer = self.queue.tracer
+        # Worker-side record of the guesses (read once the queue is done).
+        self.speculated: set[str] = set()
+        self.rolled_back = 0
+        self._seen_sq = 0.0
+        self._stopped = False
+        if before_write is not None:  # a checkpoint reading the state finishes first
+            self.queue.submit("checkpoint", before_write)
+
+    # ----- during the backward -------------------------------------------------------------
+
+    def gradient_ready(self, part: str, params, grads, opt_state, part_sq) -> None:
+        """`grads` of `part` are on their way to the host and `part_sq` (a device scalar) is
+        their sum of squares: guess the part's update, unless the guess is already known
+        to be wrong."""
+        if self.speculate:
+            self.queue.submit(part, lambda: self._guess(part, params, grads, opt_state, part_sq))
+
+    def _guess(self, part, params, grads, opt_state, part_sq) -> None:
+        if self._stopped:
+            return
+        sq = float(part_sq)  # waits for this part's backward, on the worker
+        self._seen_sq += sq
+        clipped = self.clip_norm > 0 and self._seen_sq > self.clip_norm ** 2
+        if not math.isfinite(sq) or not math.isfinite(self._seen_sq) or clipped:
+            self._stopped = True  # the step skips or clips: every later guess would be wrong
+            return
+        self.host.update(params, grads, opt_state, 1.0)
+        self.speculated.add(part)
+
+    # ----- after the backward --------------------------------------------------------------
+
+    def settle(self, part: str, params, grads, opt_state, skip: bool, scale: float) -> None:
+        """The part's final update, now that `skip` and the clip `scale` are known: a good
+        guess stands, a wrong one is undone and redone, a part not guessed is updated."""
+        guess_stands = not skip and scale == 1.0
+
+        def work():
+            if part in self.speculated:
+                if guess_stands:
+                    return
+                self.host.undo(params, grads, opt_state, 1.0)
+                self.rolled_back += 1
+            if not skip:
+                self.host.update(params, grads, opt_state, scale)
+
+        if not (skip and not self.speculate):  # nothing to write for a skipped plain step
+            self.queue.submit(part, work)
+
+    def close(self) -> None:
+        self.queue.close()
+
+    # ----- what the next step and the state read (the queue's interface) -------------------
+
+    def done(self, part: str) -> bool:
+        return self.queue.done(part)
+
+    def wait(self, part: str | None = None) -> None:
+        self.queue.wait(part)
+
+    @property
+    def seconds(self) -> float:
+        return self.queue.seconds
+
+    @property
+    def spans(self) -> list:
+        return self.queue.spans

@@ -1,0 +1,262 @@
+"""The host update during the backward: guesses, validation, undo, exactness (CPU)."""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import max_rel_error, tiny
+
+from megatrain_jax import model, optim
+from megatrain_jax.io.data import TokenSource
+from megatrain_jax.optim import HostAdamW, decay_mask
+from megatrain_jax.optim.adamw_inverse import UNDO_ULPS
+from megatrain_jax.stream import Placement
+from megatrain_jax.stream.placement import map_parts
+from megatrain_jax.train import StreamTrainer, train
+from megatrain_jax.train.reference import ReferenceTrainer
+
+EPS32 = 2.0**-24
+
+
+def _random_state(seed, shape=(64, 48)):
+    rng = np.random.default_rng(seed)
+    params = {"w": rng.normal(0, 0.5, shape).astype(np.float32),
+              "b": rng.normal(0, 0.5, shape[1:]).astype(np.float32)}
+    grads = jax.tree.map(lambda a: rng.normal(0, 2.0, a.shape).astype(np.float32), params)
+    return params, grads, rng
+
+
+@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+def test_undo_inverts_optax_adamw_on_random_states(kernel):
+    """Optax's own AdamW step from random (p, mu, nu) at step 7, then the host undo: back to
+    the start within the stated bound, rel <= 1e-6."""
+    params, grads, rng = _random_state(0)
+    host = HostAdamW(optax.cosine_decay_schedule(3e-3, 100), 0.9, 0.95, 1e-8,
+                     weight_decay=0.1, mask=decay_mask, kernel=kernel)
+    state = host.optax.init(params)
+    adam = state[0]._replace(
+        count=jnp.asarray(6, jnp.int32),
+        mu=jax.tree.map(lambda a: rng.normal(0, 0.1, a.shape).astype(np.float32), params),
+        nu=jax.tree.map(lambda a: rng.uniform(0.01, 4.0, a.shape).astype(np.float32), params))
+    state = (adam, *state[1:-1], state[-1]._replace(count=jnp.asarray(6, jnp.int32)))
+    scale = 0.7
+    scaled = jax.tree.map(lambda g: g * np.float32(scale), grads)
+    updates, after = host.optax.update(scaled, state, params)
+    stepped = optax.apply_updates(params, updates)
+
+    place = Placement()
+    p, g, s = place.to_host((stepped, grads, after))
+    host.undo(p, g, s, scale)
+    assert int(s[0].count) == 6 and int(s[-1].count) == 6
+    assert max_rel_error(p, params) <= 1e-6
+    assert max_rel_error(s[0].mu, adam.mu) <= 1e-6
+    assert max_rel_error(s[0].nu, adam.nu) <= 1e-6
+    # Element by element, within the bound of optim/adamw_inverse.py.
+    b1, b2 = 0.9, 0.95
+    mu_bound = UNDO_ULPS * EPS32 * (np.abs(after[0].mu["w"]) + (1 - b1) * np.abs(scaled["w"]))
+    assert np.all(np.abs(np.asarray(s[0].mu["w"]) - adam.mu["w"]) <= mu_bound / b1)
+    nu_bound = UNDO_ULPS * EPS32 * (after[0].nu["w"] + (1 - b2) * scaled["w"] ** 2) / b2
+    assert np.all(np.abs(np.asarray(s[0].nu["w"]) - adam.nu["w"]) <= nu_bound)
+
+
+def _cfg(*more):
+    return tiny("model.layers=3", "data.batch_size=4", "loop.steps=20", "optim.lr=1e-2",
+                "optim.clip_norm=1.0", "schedule.warmup_steps=3", "stream.update=host", *more)
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_run(cfg, steps):
+    """(state, losses) of the whole-model trainer; shared by runs that differ only in how
+    the streamed step speculates."""
+    data, trainer = TokenSource(cfg), ReferenceTrainer(cfg)
+    state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
+    losses = []
+    for step in range(steps):
+        state, m = trainer.train_step(state, data.batch_at(step))
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
+def _stream_run(cfg, steps):
+    """(state, losses, gradient norms, metrics) of the streamed trainer."""
+    data, trainer = TokenSource(cfg), StreamTrainer(cfg)
+    state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
+    losses, norms, records = [], [], []
+    for step in range(steps):
+        state, m = trainer.train_step(state, data.batch_at(step))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+        records.append(m)
+    return state.wait(), losses, norms, records
+
+
+def _train_both(cfg, steps):
+    plain = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, speculate="off"))
+    return (*_reference_run(plain, steps), *_stream_run(cfg, steps))
+
+
+def _guess_counts(records):
+    """(speculated, rolled back) parts of each step, from the next step's metrics."""
+    return [(int(m["speculated_parts"]), int(m["rolled_back_parts"]))
+            for m in records if "speculated_parts" in m]
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_twenty_steps_with_guesses_match_the_reference(mode):
+    cfg = _cfg(f"stream.speculate={mode}")
+    ref_state, ref_losses, state, losses, norms, records = _train_both(cfg, 20)
+    assert any(n > 1.0 for n in norms) and any(n < 1.0 for n in norms), norms  # clip triggers
+    counts = _guess_counts(records)
+    host_parts = cfg.model.layers + 1  # the head and the layers; the embedding comes last
+    assert any(s == host_parts and r == 0 for s, r in counts), counts  # guesses that stood
+    if mode == "on":
+        assert any(r > 0 for _, r in counts), counts  # guesses undone and redone
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert max_rel_error(state.params, ref_state.params) <= 1e-5
+    for moment in ("mu", "nu"):
+        streamed = map_parts(lambda s, k=moment: optax.tree_utils.tree_get(s, k),
+                             state.opt_state)
+        whole = optax.tree_utils.tree_get(ref_state.opt_state, moment)
+        assert max_rel_error(streamed, whole) <= 1e-4, moment
+
+
+def test_guesses_in_bfloat16_match_the_reference():
+    """bf16 compute: the streamed and whole-model runs sum in other orders, so they agree
+    to bf16's precision, with guesses as without."""
+    errors = {}
+    for mode in ("off", "on"):
+        cfg = _cfg(f"stream.speculate={mode}", "model.compute_dtype=bfloat16", "optim.lr=1e-3")
+        ref_state, ref_losses, state, losses, _, records = _train_both(cfg, 8)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
+        errors[mode] = max_rel_error(state.params, ref_state.params)
+        assert errors[mode] <= 5e-2
+    assert any(r > 0 for _, r in _guess_counts(records))  # the "on" run undid guesses
+    assert errors["on"] <= 1.5 * errors["off"], errors
+
+
+def test_the_policy_stops_guessing_when_every_step_clips():
+    _, _, norms, records = _stream_run(_cfg("optim.clip_norm=0.01", "stream.speculate=auto"), 5)
+    assert all(n > 0.01 for n in norms)
+    assert [s for s, _ in _guess_counts(records)] == [0] * 4
+    # and guesses on every step, the first too, once clipping is off
+    _, _, _, records = _stream_run(_cfg("optim.clip_norm=0", "stream.speculate=auto"), 3)
+    assert [s for s, _ in _guess_counts(records)] == [4, 4]
+
+
+class _Watched:
+    """Wraps a HostAdamW: after each write, every array it wrote must be finite. Before each
+    undo it notes, per leaf, the bound of optim/adamw_inverse.py on the undo's error."""
+
+    def __init__(self, host):
+        self.host, self.writes, self.bounds = host, 0, {}
+
+    def _check(self, params, opt_state):
+        self.writes += 1
+        for leaf in jax.tree.leaves((params, opt_state)):
+            assert np.all(np.isfinite(np.asarray(leaf))), "a non-finite value was written"
+
+    def update(self, params, grads, opt_state, scale):
+        self.host.update(params, grads, opt_state, scale)
+        self._check(params, opt_state)
+
+    def undo(self, params, grads, opt_state, scale):
+        self._note_bounds(params, grads, opt_state, scale)
+        self.host.undo(params, grads, opt_state, scale)
+        self._check(params, opt_state)
+
+    def _note_bounds(self, params, grads, opt_state, scale):
+        """|undone - original| <= UNDO_ULPS eps32 (the terms the old value is solved from)."""
+        host, (adam, schedule) = self.host, (opt_state[0], opt_state[-1])
+        t, step = int(adam.count), int(schedule.count) - 1  # the step being undone
+        b1, b2, lr = host.b1, host.b2, float(host.learning_rate(step))
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        leaves = zip(jax.tree.leaves(params), jax.tree.leaves(grads),
+                     jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu),
+                     jax.tree.leaves(optim.decay_mask(params)))
+        for p, g, mu, nu, decays in leaves:
+            g = np.asarray(g, np.float64) * scale
+            m, v = np.asarray(mu, np.float64), np.asarray(nu, np.float64)
+            u = (m / bc1) / (np.sqrt(v / bc2) + host.eps)
+            wd = host.weight_decay if decays else 0.0
+            ulps = UNDO_ULPS * EPS32
+            self.bounds[id(p)] = ulps * (np.abs(np.asarray(p)) + lr * np.abs(u)) / (1 - lr * wd)
+            self.bounds[id(mu)] = ulps * (np.abs(m) + (1 - b1) * np.abs(g)) / b1
+            self.bounds[id(nu)] = ulps * (v + (1 - b2) * g**2) / b2
+
+
+def _poison_layer0_gradients(engine, at_call):
+    """The layer backward's `at_call`-th call (counting from 0) returns NaN in its weight
+    gradient: layer 0, the last part of a backward, when `at_call` is a multiple of L."""
+    import dataclasses
+
+    original, calls = engine.programs.layer_backward, [0]
+
+    def poisoned(*args):
+        dxs, dw, sq, own = original(*args)
+        if calls[0] == at_call:
+            dw = jax.tree.map(lambda a: a.at[(0,) * a.ndim].set(jnp.nan), dw)
+            own, sq = own + jnp.nan, sq + jnp.nan
+        calls[0] += 1
+        return dxs, dw, sq, own
+
+    engine.schedule.programs = dataclasses.replace(engine.programs, layer_backward=poisoned)
+
+
+def test_nan_in_the_last_part_undoes_every_guess_and_skips():
+    cfg = _cfg("stream.speculate=on", "optim.clip_norm=100")
+    trainer = StreamTrainer(cfg)
+    engine, data = trainer.engine, TokenSource(cfg)
+    watched = _Watched(engine.host_optimizer)
+    engine.host_optimizer = watched
+    layers = cfg.model.layers
+    _poison_layer0_gradients(engine, at_call=2 * layers + layers - 1)  # step 2, layer 0
+    state = trainer.init(jax.random.key(0))
+    for step in range(2):
+        state, m = trainer.train_step(state, data.batch_at(step))
+    assert int(m["speculated_parts"]) == layers + 1  # step 0's guesses stood (head, layers)
+    before = jax.tree.map(np.array, (state.params, state.opt_state))
+    state, m = trainer.train_step(state, data.batch_at(2))
+    assert bool(m["skipped"])
+    update = state.wait().pending
+    # head and layers L-1..1 guessed and undone; layer 0 not guessed: its gradient is NaN
+    assert update.speculated == {"head", *(f"layer {i}" for i in range(1, layers))}
+    assert update.rolled_back == layers
+    leaves = jax.tree.leaves((state.params, state.opt_state))
+    after = [np.asarray(leaf) for leaf in leaves]
+    for leaf, x, y in zip(leaves, jax.tree.leaves(before), after):
+        if id(leaf) in watched.bounds:  # undone: within the undo's fp32 rounding
+            assert np.all(np.abs(y.astype(np.float64) - x) <= watched.bounds[id(leaf)])
+        else:
+            np.testing.assert_array_equal(y, x)  # never written: bit for bit
+    assert len(watched.bounds) == 3 * len(jax.tree.leaves(
+        [state.params["head"], *state.params["layers"][1:]]))
+
+
+def test_resume_is_bit_exact_across_a_rolled_back_step(tmp_path):
+    """Checkpoint at step 6, whose update (auto: the last norm was within the threshold)
+    guesses and rolls back: the resumed run must take that path too, which needs the last
+    gradient norm from the checkpoint's record."""
+    def cfg(run, steps):
+        return _cfg("stream.speculate=auto", "optim.clip_norm=1.4", "loop.log_every=1",
+                    "loop.progress=none", "loop.checkpoint_every=3", "loop.tensorboard=off",
+                    "loop.timeline_step=-1", "schedule.decay_steps=8",
+                    f"loop.run_dir={tmp_path / run}", f"loop.steps={steps}")
+
+    def records(run):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines)}
+
+    straight = train(cfg("a", 8))
+    train(cfg("b", 6))
+    resumed = train(cfg("b", 8))
+    # the record of the 8th step reports the 7th's update, the first after the resume
+    assert records("a")[8]["rolled_back_parts"] > 0
+    assert records("b")[8]["rolled_back_parts"] == records("a")[8]["rolled_back_parts"]
+    for x, y in zip(jax.tree.leaves(straight["state"].params),
+                    jax.tree.leaves(resumed["state"].params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -213,8 +213,8 @@ def execute(run: Run, tree: tuple[str, Path], out: Path, timeout: float,
     return {"name": run.name, "tree": label, "rc": rc, "seconds": round(seconds, 1),
             "timeout": round(timeout), "json": f"{stem}.json" if run.writes_json else "",
             "log": f"{stem}.log",
-            "command": shlex.join(["python", *run.argv, *(bench_args if run.per_tree else [])]),
-            "cwd": str(path), "pythonpath": str(path)}
+            "command": shlex.join(["python", *argv[1:]]), "cwd": str(path),
+            "pythonpath": str(path)}
 
 
 def publish(out: Path) -> str:
@@ -244,7 +244,8 @@ def main() -> None:
     parser.add_argument("--skip", action="append", default=[], help="run names (patterns)")
     parser.add_argument("--tree", action="append", default=[], metavar="[LABEL=]DIR")
     parser.add_argument("--bench-args", default="", help="appended to every bench_step run")
-    parser.add_argument("--budget", type=float, default=0, help="seconds for everything")
+    parser.add_argument("--budget", type=float, default=0,
+                        help="seconds for all the runs (0: no limit)")
     parser.add_argument("--list", action="store_true", help="print the runs, run nothing")
     args = parser.parse_args()
 

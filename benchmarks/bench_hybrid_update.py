@@ -12,9 +12,9 @@ program of its own; `put`: copies in and out to new host buffers); and each devi
 the host update, since both draw on the same host memory. Prints one JSON object; the short
 table goes to stderr.
 
-Session 5 (H200): a 7b layer's device update took 72-94 ms alone and 85-108 ms beside the
-host update, which itself slowed from 35-42 to 46-51 ms: the two share the host's memory, and
-together they updated only ~13% more parameters per second than the host alone.
+Why side by side: the host update is bound by the host's memory, and the device update's
+transfers read and write that same memory, so each slows the other; what they add together,
+not alone, says whether a hybrid update pays (benchmarks/RESULTS.md has the figures).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ update) to split the time; they are reported apart and never mixed into tokens/s
 The roofline inputs (H2D and D2H bandwidth, one layer's forward and backward, the head, the
 optimizer's rate, the host memory's bandwidth) are measured in the same process, after the
 timed steps, and the JSON carries the bound and the ratio achieved / bound
-(megatrain_jax/roofline.py). The optimizer's rate is the model's own update in the
-`--phases` steps (median), else a 64M sample's.
+(megatrain_jax/tools/roofline.py, docs/design.md). The optimizer's rate is the model's own
+update in the `--phases` steps (median), else a 64M sample's.
 With `--sweep`, the output is a JSON list, one object per batch size.
 """
 
@@ -145,7 +145,7 @@ def run(cfg, trainer, state, args):
             roofline["host_memory_kernel_gbps"])
         resident = cfg.stream.resident_layers
         roofline["step_s_best_rate"] = bound(cfg.model, best, resident_layers=resident)["step_s"]
-        # The bound of sessions 2-4, without the host memory's traffic, for comparison.
+        # The bound without the host memory's traffic, comparable with bounds that lack it.
         roofline["step_s_no_host_memory"] = bound(
             cfg.model, dataclasses.replace(Rates.from_result(roofline), host_memory_gbps=0.0),
             resident_layers=resident)["step_s"]

@@ -28,7 +28,7 @@ def main(source: Path, target: Path) -> None:
     speed.plot(tokens, [t / b["step_s"] for t, b in zip(tokens, roof)], "s--",
                label="bound of the exact schedule")
     speed.plot(tokens, [t / b["ideal_s"] for t, b in zip(tokens, roof)], ":", color="grey",
-               label="perfect pipeline (DESIGN.md)")
+               label="perfect pipeline (docs/design.md)")
     for t, r, b in zip(tokens, runs, roof):
         speed.annotate(f"{r['tokens_per_s'] / (t / b['step_s']):.0%}", (t, r["tokens_per_s"]),
                        textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
@@ -44,7 +44,7 @@ def main(source: Path, target: Path) -> None:
              "H2D (two weight passes)": [2 * b["h2d_per_pass_s"] for b in roof],
              "D2H (gradients)": [b["d2h_s"] for b in roof],
              "host optimizer": [b["optimizer_s"] for b in roof]}
-    if any(b.get("host_memory_forward_s") for b in roof):  # measured from session 5 on
+    if any(b.get("host_memory_forward_s") for b in roof):  # absent from older results
         parts["host memory (update + DMA)"] = [b["host_memory_forward_s"]
                                               + b["host_memory_backward_s"] for b in roof]
     for name, seconds in parts.items():

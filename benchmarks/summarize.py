@@ -1,6 +1,11 @@
-"""Prints the short table of one GPU session from the JSON files under a results folder.
+"""The short table of a benchmark folder: one row per step or peer run, link rates on top.
 
-    python benchmarks/summarize.py OUT_DIR
+    python benchmarks/summarize.py DIR
+
+Reads DIR/suite.json (written by suite.py: names, trees, exit codes, in run order) when it
+exists, else every JSON file in DIR. Step rows (bench_step.py) show the roofline bound and
+the ratio achieved / bound; peer rows (benchmarks/peers/) show the same speed and memory
+columns. Runs of one name on several trees (suite.py --tree) are compared last.
 """
 
 from __future__ import annotations
@@ -9,47 +14,112 @@ import json
 import sys
 from pathlib import Path
 
-
-def _runs(path: Path) -> list[dict]:
-    data = json.loads(path.read_text())
-    return data if isinstance(data, list) else [data]
+COLUMNS = ("tok/s", "step s", "bound", "ratio", "MFU", "GPU GiB", "host GiB", "B/p", "limit")
 
 
-def main(out: Path) -> None:
-    transfer = out / "transfer.json"
-    if transfer.exists():
-        r = json.loads(transfer.read_text())
-        rates = r.get("host_update_gparams_per_s", {}).items()
-        host = " ".join(f"{k} {v:.2f}" for k, v in rates if v)
-        print(f"transfer: H2D {r['h2d_gbps']:.1f} GB/s  D2H {r['d2h_gbps']:.1f}  both "
-              f"{r['bidirectional_total_gbps']:.1f}  update G params/s: device "
-              f"{r['update_gparams_per_s']:.2f} host {host}")
-    peers = {}
-    for f in sorted(out.glob("peer_*.json")):
-        r = json.loads(f.read_text())
-        peers[r["shape"]] = r
-        print(f"peer {r['peer']} {r['shape']}: {r['tokens_per_s']:.0f} tok/s, "
-              f"{r['peak_device_gib']:.1f} GiB GPU, {r['host_bytes_per_param']:.1f} B/param host")
-    print(f"{'run':30s} {'tok/s':>7s} {'step s':>6s} {'bound':>6s} {'ratio':>5s} {'best':>5s} "
-          f"{'MFU':>5s} "
-          f"{'GPU GiB':>7s} {'B/p':>5s} {'vs peer':>7s} {'hostGB/s':>8s} {'limit':>11s}"
-          "  losses / phases")
-    for f in sorted(out.glob("step_*.json")):
-        for r in _runs(f):
-            roof = r.get("roofline") or {}
-            ph = r["phase_seconds_synced"][-1] if r["phase_seconds_synced"] else {}
-            peer = peers.get(r["config"])
-            vs = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
-            name = f"{r['config']} {r['tokens_per_step'] // 1024}k {r.get('update', '')}"
-            print(f"{name:30s} {r['tokens_per_s']:7.0f} {r['median_step_s']:6.2f} "
-                  f"{roof.get('step_s', 0):6.2f} {roof.get('ratio', 0):5.2f} "
-                  f"{roof.get('ratio_best_rate', 0):5.2f} "
-                  f"{(r['mfu'] or 0):5.3f} {r['peak_device_gib']:7.2f} "
-                  f"{r['host_bytes_per_param']:5.1f} {vs:>7s} "
-                  f"{roof.get('host_memory_gbps', 0):8.0f} {roof.get('limited_by', '-'):>11s}  "
-                  f"{r['losses'][0]:.2f}->{r['losses'][-1]:.2f} "
-                  + " ".join(f"{k}={v:.2f}" for k, v in ph.items()))
+def load(folder: Path) -> list[dict]:
+    """The folder's runs: {"name", "tree", "rc", "result"} per run, sweeps split per size."""
+    manifest = folder / "suite.json"
+    if manifest.exists():
+        entries = json.loads(manifest.read_text())["runs"]
+    else:
+        entries = [{"name": f.stem, "tree": "", "rc": 0, "json": f.name}
+                   for f in sorted(folder.glob("*.json"))]
+    runs = []
+    for entry in entries:
+        path = folder / entry["json"]
+        data = json.loads(path.read_text()) if entry["json"] and path.exists() else None
+        if isinstance(data, list):  # a sweep: one result per batch size
+            for r in data:
+                runs.append({**entry, "name": f"{entry['name']}[{r['tokens_per_step'] // 1024}k]",
+                             "base": entry["name"], "result": r})
+        else:
+            runs.append({**entry, "base": entry["name"], "result": data})
+    return runs
+
+
+def table(folder: Path) -> str:
+    runs = load(folder)
+    lines = _machine(folder)
+    for run in runs:
+        r = run["result"] or {}
+        if "bidirectional_total_gbps" in r:
+            host = r.get("host_update_gparams_per_s", {})
+            lines.append(
+                f"{run['name']}: H2D {r['h2d_gbps']:.1f} GB/s, D2H {r['d2h_gbps']:.1f}, both "
+                f"{r['bidirectional_total_gbps']:.1f}; update G params/s: device "
+                f"{r['update_gparams_per_s']:.2f}, host "
+                + ", ".join(f"{k} {v:.2f}" for k, v in host.items() if v))
+    rows = [run for run in runs if "bidirectional_total_gbps" not in (run["result"] or {})]
+    width = max([len(_label(run)) for run in rows] + [3])
+    lines.append(f"{'run':{width}s} " + " ".join(f"{c:>8s}" for c in COLUMNS)
+                 + "  losses; last synced phases (s)")
+    for run in rows:
+        lines.append(f"{_label(run):{width}s} " + _row(run))
+    lines += _tree_ratios(rows)
+    return "\n".join(lines)
+
+
+def _machine(folder: Path) -> list[str]:
+    """The machine and the trees measured, as suite.py recorded them."""
+    manifest = folder / "suite.json"
+    if not manifest.exists():
+        return []
+    m = json.loads(manifest.read_text())["machine"]
+    trees = ", ".join(f"{label} = {t['path']} (sources {t['sources']})"
+                      for label, t in m["trees"].items())
+    return [f"{m['started']}: {m['gpu'] or 'no GPU'}; {m['cpus']} CPUs, {m['memory']}; "
+            f"{m['python_jax']}", f"trees: {trees}"]
+
+
+def _label(run: dict) -> str:
+    return f"{run['tree']}:{run['name']}" if run.get("tree") else run["name"]
+
+
+def _row(run: dict) -> str:
+    r = run["result"]
+    if run.get("skipped"):
+        return f"skipped ({run['skipped']})"
+    if not run.get("json") and run.get("rc") == 0:
+        return f"done ({run.get('seconds', 0):.0f} s; see {run['log']})"
+    if r is None or "tokens_per_s" not in r:
+        return f"FAILED (exit {run.get('rc')}; see {run.get('log', run['name'] + '.log')})"
+    roof = r.get("roofline") or {}
+    mfu = r.get("mfu")
+    cells = [f"{r['tokens_per_s']:,.0f}", f"{r['median_step_s']:.3f}",
+             f"{roof['step_s']:.3f}" if roof else "-", f"{roof['ratio']:.3f}" if roof else "-",
+             f"{mfu:.3f}" if mfu else "-", _gib(r.get("peak_device_gib")),
+             f"{r['peak_host_rss_gib']:.1f}", f"{r['host_bytes_per_param']:.1f}",
+             roof.get("limited_by", "peer" if "peer" in r else "-")]
+    losses = r.get("losses") or [float("nan")]
+    phases = (r.get("phase_seconds_synced") or [{}])[-1]
+    split = " ".join(f"{k} {v:.2f}" for k, v in phases.items() if not k.endswith("_wait"))
+    return (" ".join(f"{c:>8s}" for c in cells)
+            + f"  {losses[0]:.2f}->{losses[-1]:.2f}" + (f"; {split}" if split else ""))
+
+
+def _gib(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _tree_ratios(rows: list[dict]) -> list[str]:
+    """tokens/s of each tree against the first tree, per run name and size."""
+    by_name: dict[str, list[dict]] = {}
+    for run in rows:
+        if run.get("tree") and run["result"] and "tokens_per_s" in run["result"]:
+            by_name.setdefault(run["name"], []).append(run)
+    lines = []
+    for name, group in by_name.items():
+        if len(group) < 2:
+            continue
+        first = group[0]["result"]["tokens_per_s"]
+        lines.append(f"{name}: " + ", ".join(
+            f"{run['tree']} {run['result']['tokens_per_s']:,.0f}" for run in group)
+            + " tok/s; " + ", ".join(
+            f"{run['tree']}/{group[0]['tree']} {run['result']['tokens_per_s'] / first:.3f}"
+            for run in group[1:]))
+    return (["", "trees compared (tokens/s):"] + lines) if lines else []
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    print(table(Path(sys.argv[1])))

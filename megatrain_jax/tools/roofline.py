@@ -1,10 +1,10 @@
-"""The roofline of one streamed step, from measured rates (DESIGN.md, "Roofline of one step").
+"""The roofline of one streamed step, from measured rates (docs/design.md, "The step's bound").
 
     rates = Rates(h2d_gbps=54.6, d2h_gbps=54.4, layer_forward_s=0.014, layer_backward_s=0.03,
                   head_s=0.02, optimizer_gparams=4.7)
     bound(cfg.model, rates)["step_s"]
 
-Two bounds are given. `ideal_s` is the perfect pipeline of DESIGN.md: the largest of total
+Two bounds are given. `ideal_s` is the perfect pipeline (docs/design.md): the largest of total
 compute, weight traffic, gradient traffic and optimizer time. `step_s` is the bound of the
 exact schedule this engine runs: global-norm clipping needs every gradient before any
 update, and the next forward needs each layer's update, so a step is at best

@@ -1,0 +1,283 @@
+"""One GPU session's benchmarks: named presets of runs, each a subprocess with a timeout.
+
+    python benchmarks/suite.py standard                  # link rates, 3b and 7b at 16 x 1024
+    python benchmarks/suite.py standard peers --skip 'peer_fsdp2_*' --budget 570
+    python benchmarks/suite.py runs "3b:--steps 6 --warmup 2 --phases 2" \\
+        "k32=7b:--steps 6 --warmup 2 --repeat-batch --phases 2 stream.resident_layers=32"
+    python benchmarks/suite.py compare --tree old=build/old_tree --tree new=.
+    python benchmarks/suite.py resident --list           # what would run, and how
+
+Each ITEM is a preset (PRESETS below: standard, compare, sweep, peers, long, resident,
+probe, cli, dev; `runs` has none of its own) or a run spec `[NAME=]CONFIG:ARGS` for
+bench_step.py. `--only`/`--skip` pick runs by name (shell patterns). With `--tree
+[LABEL=]DIR` (repeatable), every bench_step run is made once per tree, interleaved so that
+drift in the machine hits every tree alike, with DIR's own bench_step.py and
+`PYTHONPATH=DIR`: rows are labelled by tree and their tokens/s compared. Other runs (link
+rates, peers, the CLI) use this checkout. A preset may take longer than one device call
+allows: `--budget` and `--only` keep a call within it.
+
+Every run writes OUT_DIR/[TREE_]NAME.json and .log, and OUT_DIR/suite.json records its
+command, exit code and seconds; a run past its timeout (or past `--budget`, the seconds left
+to the whole invocation) is killed. After each run the table (summarize.py) is rewritten to
+OUT_DIR/summary.txt and, where $OUT is set (the GPU machine's folder that comes back),
+OUT_DIR is packed into $OUT/all.tgz with the table in $OUT/summary.txt: a session cut short
+still brings back every finished run. The table is printed last. Several invocations with
+the same `--out` add to one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from summarize import table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    name: str
+    argv: tuple[str, ...]  # a script under the tree's root, or "-m" a module; then arguments
+    timeout: int = 400
+    per_tree: bool = False  # a bench_step run: once per --tree
+    writes_json: bool = True  # takes `--out FILE` for its one JSON object
+
+
+def cli(name: str, args: str, timeout: int = 300) -> Run:
+    return Run(name, ("-m", "megatrain_jax.cli", *shlex.split(args)), timeout, writes_json=False)
+
+
+def step(name: str, config: str, args: str, timeout: int = 400) -> Run:
+    return Run(name, ("benchmarks/bench_step.py", config, *shlex.split(args)), timeout, True)
+
+
+def peer(kind: str, shape: str, args: str = "", timeout: int = 400) -> Run:
+    script = {"resident": "torch_resident.py", "fsdp2": "fsdp2_offload.py"}[kind]
+    return Run(f"peer_{kind}_{shape}", (f"benchmarks/peers/{script}", shape,
+                                        *shlex.split(args)), timeout)
+
+
+# BENCHMARKS.md's workload: 2 warm-up steps, the median of 6; 2 synced steps split the time.
+# 7b trains on one repeated batch, so its loss must fall to ~0 (a check of the update).
+STANDARD = "--steps 6 --warmup 2 --phases 2"
+CLI_RUN = "loop.checkpoint_every=2 loop.log_every=1 loop.run_dir={out}/run_1b"
+TRANSFER = Run("transfer", ("benchmarks/bench_transfer.py", "--gib", "4"), 150)
+
+PRESETS: dict[str, list[Run]] = {
+    "standard": [TRANSFER, step("3b_standard", "3b", STANDARD),
+                 step("7b_standard", "7b", STANDARD + " --repeat-batch")],
+    # Old tree against new on the standard shapes (no link rates: they do not depend on it).
+    "compare": [step("3b_standard", "3b", STANDARD),
+                step("7b_standard", "7b", STANDARD + " --repeat-batch")],
+    # Tokens per step on one initialized model; one synced step per size measures its bound.
+    "sweep": [step("7b_sweep", "7b", "--steps 4 --warmup 2 --phases 1 --sweep 4,8,16,32,64",
+                   timeout=590)],
+    # PyTorch on the same GPU. FSDP2 with CPU offload holds about 20.5 host bytes per
+    # parameter: 7b needs about 129 GiB of host, more than one H200 machine's 125.
+    "peers": [peer(kind, shape, "--steps 6 --warmup 2")
+              for kind in ("resident", "fsdp2") for shape in ("3b", "7b")],
+    # Batch 1, long sequences. A step at 131072 tokens takes about 50 s: use --only to run
+    # one length per device call, and --bench-args "--steps 4 --warmup 1" where time is short.
+    "long": [step(f"7b_seq{n}", "7b", f"--steps 4 --warmup 2 --no-roofline data.batch_size=1 "
+                  f"data.seq_len={n} model.max_seq_len={n}", timeout=590)
+             for n in (131072, 262144, 524288)],
+    # The first K layers kept on the GPU (K=0 is standard's 7b); 3b with every layer.
+    "resident": [*(step(f"7b_k{k}", "7b", f"{STANDARD} --repeat-batch stream.resident_layers={k}")
+                   for k in (8, 16, 32)),
+                 step("3b_k26", "3b", f"{STANDARD} stream.resident_layers=26")],
+    # Where a step waits: the host update alone and beside the weight stream, and one
+    # step's per-layer timeline (read it with benchmarks/timeline_summary.py).
+    "probe": [Run("host_update", ("benchmarks/bench_host_update.py",), 240),
+              *(step(f"{s}_timeline", s, f"--steps 4 --warmup 2 --phases 1 "
+                     f"--timeline {{out}}/{s}.timeline") for s in ("7b", "3b"))],
+    # The command line on the GPU: train with checkpoints, resume, report.
+    "cli": [cli("cli_train_1b", f"train 1b loop.steps=4 {CLI_RUN}"),
+            cli("cli_resume_1b", f"train 1b loop.steps=6 {CLI_RUN}"),
+            cli("cli_report_1b", "report {out}/run_1b", timeout=120)],
+    "runs": [],
+    # The suite itself, on a CPU: tiny config, the resident peer on the CPU.
+    "dev": [step("tiny", "tiny", "--steps 2 --warmup 1 --phases 1", timeout=300),
+            peer("resident", "tiny", "--device cpu --batch 2 --seq 32 --steps 2 --warmup 1",
+                 timeout=300)],
+}
+
+
+def parse_spec(spec: str) -> Run:
+    """`[NAME=]CONFIG:ARGS` as a bench_step run; the name defaults to the words of both."""
+    head, _, args = spec.partition(":")
+    name, _, config = head.rpartition("=")
+    if not name:
+        words = [config, *(w.lstrip("-") for w in shlex.split(args))]
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", "_".join(words)).strip("-")
+    return step(name, config, args)
+
+
+def select(items: list[str], only: list[str], skip: list[str]) -> list[Run]:
+    runs = []
+    for item in items:
+        if item in PRESETS:
+            runs += PRESETS[item]
+        elif ":" in item:
+            runs.append(parse_spec(item))
+        else:
+            sys.exit(f"suite: '{item}' is neither a preset ({', '.join(PRESETS)}) nor a run "
+                     "spec NAME=CONFIG:ARGS")
+
+    def matches(run, patterns):
+        return any(fnmatch.fnmatch(run.name, p) for p in patterns)
+
+    return [r for r in runs if (not only or matches(r, only)) and not matches(r, skip)]
+
+
+def parse_trees(values: list[str]) -> list[tuple[str, Path]]:
+    trees = []
+    for value in values:
+        label, _, path = value.rpartition("=")
+        path = Path(path).resolve()
+        if not (path / "benchmarks" / "bench_step.py").exists():
+            sys.exit(f"suite: {path} has no benchmarks/bench_step.py")
+        trees.append((label or path.name, path))
+    return trees or [("", ROOT)]
+
+
+def _source_digest(tree: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted((tree / "megatrain_jax").rglob("*.py")):
+        digest.update(str(path.relative_to(tree)).encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def machine(trees) -> dict:
+    def sh(command):
+        try:
+            return subprocess.run(command, shell=True, capture_output=True, text=True,
+                                  timeout=60).stdout.strip()
+        except subprocess.TimeoutExpired:
+            return "timed out"
+
+    versions = sh(f"XLA_PYTHON_CLIENT_PREALLOCATE=false {sys.executable} -c "
+                  "'import sys, jax; print(sys.version.split()[0], "
+                  "\"jax\", jax.__version__, jax.devices()[0].device_kind)' 2>/dev/null")
+    return {"gpu": sh("nvidia-smi --query-gpu=name,memory.total,driver_version "
+                      "--format=csv,noheader 2>/dev/null"),
+            "cpus": os.cpu_count(), "memory": sh("grep MemTotal /proc/meminfo"),
+            "python_jax": versions, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "trees": describe(trees)}
+
+
+def describe(trees) -> dict:
+    """Each tree's path and a short hash of its package sources: which code a row measured."""
+    return {label or "this": {"path": str(path), "sources": _source_digest(path)}
+            for label, path in trees}
+
+
+def execute(run: Run, tree: tuple[str, Path], out: Path, timeout: float,
+            bench_args: list[str]) -> dict:
+    label, path = tree if run.per_tree else ("", ROOT)
+    stem = f"{label}_{run.name}" if label else run.name
+    script = [] if run.argv[0] == "-m" else [str(path / run.argv[0])]
+    args = [a.replace("{out}", str(out)) for a in run.argv[len(script):]]
+    argv = [sys.executable, *script, *args, *(bench_args if run.per_tree else [])]
+    argv += ["--out", str(out / f"{stem}.json")] if run.writes_json else []
+    env = {**os.environ, "PYTHONPATH": str(path), "PYTHONUNBUFFERED": "1",
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    print(f"== {stem}: {shlex.join(argv[1:])}", flush=True)
+    start = time.perf_counter()
+    with open(out / f"{stem}.log", "w") as log:
+        child = subprocess.Popen(argv, cwd=path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            rc = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # the run and anything it started
+            rc = child.wait()
+            print(f"   killed after {timeout:.0f} s", file=log)
+    seconds = time.perf_counter() - start
+    if rc != 0:
+        tail = [line for line in (out / f"{stem}.log").read_text().splitlines()
+                if not line.startswith("W")][-25:]
+        print(f"   FAILED (exit {rc}, {seconds:.0f} s):\n   " + "\n   ".join(tail), flush=True)
+    return {"name": run.name, "tree": label, "rc": rc, "seconds": round(seconds, 1),
+            "timeout": round(timeout), "json": f"{stem}.json" if run.writes_json else "",
+            "log": f"{stem}.log",
+            "command": shlex.join(["python", *argv[1:]]), "cwd": str(path),
+            "pythonpath": str(path)}
+
+
+def publish(out: Path) -> str:
+    """The table into OUT_DIR/summary.txt and, where $OUT is set, OUT_DIR into $OUT."""
+    text = table(out)
+    (out / "summary.txt").write_text(text + "\n")
+    final = os.environ.get("OUT")
+    if final:
+        Path(final, "summary.txt").write_text(text + "\n")
+        with tarfile.open(Path(final, "all.tgz"), "w:gz") as tar:
+            tar.add(out, arcname=out.name, filter=_no_checkpoints)
+    return text
+
+
+def _no_checkpoints(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    """Leaves a run's checkpoints out of the archive (12 bytes per parameter)."""
+    return None if "/checkpoints" in member.name else member
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("items", nargs="+", metavar="ITEM",
+                        help=f"a preset ({', '.join(PRESETS)}) or NAME=CONFIG:ARGS")
+    parser.add_argument("--out", type=Path,
+                        default=Path("/tmp/megatrain_suite", time.strftime("%Y%m%d-%H%M%S")))
+    parser.add_argument("--only", action="append", default=[], help="run names (patterns)")
+    parser.add_argument("--skip", action="append", default=[], help="run names (patterns)")
+    parser.add_argument("--tree", action="append", default=[], metavar="[LABEL=]DIR")
+    parser.add_argument("--bench-args", default="", help="appended to every bench_step run")
+    parser.add_argument("--budget", type=float, default=0,
+                        help="seconds for all the runs (0: no limit)")
+    parser.add_argument("--list", action="store_true", help="print the runs, run nothing")
+    args = parser.parse_args()
+
+    runs, trees = select(args.items, args.only, args.skip), parse_trees(args.tree)
+    bench_args = shlex.split(args.bench_args)
+    plan = [(run, tree) for run in runs for tree in (trees if run.per_tree else trees[:1])]
+    if not plan:
+        sys.exit("suite: no runs selected")
+    if args.list:
+        for run, tree in plan:
+            where = f" [{tree[0]}: {tree[1]}]" if run.per_tree and tree[0] else ""
+            print(f"{run.name}{where}: {shlex.join(run.argv)} (timeout {run.timeout} s)")
+        return
+    start = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest_path = args.out / "suite.json"
+    manifest = (json.loads(manifest_path.read_text()) if manifest_path.exists()
+                else {"machine": machine(trees), "runs": []})
+    manifest["machine"]["trees"].update(describe(trees))  # an added invocation's trees
+    for run, tree in plan:
+        left = args.budget - (time.perf_counter() - start) - 20 if args.budget else run.timeout
+        if left < 30:
+            print(f"== {run.name}: skipped, {left:.0f} s of the budget left", flush=True)
+            manifest["runs"].append({"name": run.name, "tree": tree[0] if run.per_tree else "",
+                                     "rc": None, "json": "", "skipped": "budget"})
+        else:
+            manifest["runs"].append(execute(run, tree, args.out, min(run.timeout, left),
+                                            bench_args))
+        manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+        publish(args.out)
+    print(f"\nresults in {args.out}\n{publish(args.out)}")
+
+
+if __name__ == "__main__":
+    main()

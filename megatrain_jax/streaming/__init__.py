@@ -6,7 +6,8 @@ through the device (see `megatrain_jax.stream`). The ways in, from the most gene
     functions.py     from_functions(embed, layer, head_loss, params, optimizer): pure functions
     nnx_models.py    from_nnx_model(model, ...): a whole NNX model, blocks stacked by
                      nnx.vmap or listed; from_nnx(embed, layers, head, ...): loose modules
-    linen_models.py  from_linen(embed, embed_params, layer, ...): Linen modules
+    linen_models.py  from_linen_model(model, variables, ...): a Linen model, blocks stacked
+                     by nn.scan; from_linen(embed, embed_params, layer, ...): loose modules
     layout.py        a model's parameter tree <-> the per-layer store; ModelStep, which gives
                      trained weights back in the model's layout (`params_to`, `export`)
 
@@ -25,9 +26,9 @@ from megatrain_jax.streaming.functions import (
     from_functions,
 )
 from megatrain_jax.streaming.layout import Layout, ModelStep
-from megatrain_jax.streaming.linen_models import from_linen
+from megatrain_jax.streaming.linen_models import from_linen, from_linen_model
 from megatrain_jax.streaming.nnx_models import from_nnx, from_nnx_model, refuse_non_params
 
 __all__ = ["Layout", "ModelStep", "StreamingStep", "TemplateError", "build_engine",
            "check_layers", "check_no_captured_arrays", "from_functions", "from_linen",
-           "from_nnx", "from_nnx_model", "refuse_non_params"]
+           "from_linen_model", "from_nnx", "from_nnx_model", "refuse_non_params"]

@@ -1,0 +1,34 @@
+"""The streaming train step around your own model: pure functions, Flax NNX or Linen.
+
+Host-resident parameters and Optax state, one compiled layer template, the layers streamed
+through the device (see `megatrain_jax.stream`). The ways in, from the most general:
+
+    functions.py     from_functions(embed, layer, head_loss, params, optimizer): pure functions
+    nnx_models.py    from_nnx_model(model, ...): a whole NNX model, blocks stacked by
+                     nnx.vmap or listed; from_nnx(embed, layers, head, ...): loose modules
+    linen_models.py  from_linen_model(model, variables, ...): a Linen model, blocks stacked
+                     by nn.scan; from_linen(embed, embed_params, layer, ...): loose modules
+    layout.py        a model's parameter tree <-> the per-layer store; ModelStep, which gives
+                     trained weights back in the model's layout (`params_to`, `export`)
+
+    step = streaming.from_nnx_model(model, summed_loss, optax.adamw(3e-4), clip_norm=1.0)
+    state = step.init_state()
+    state, metrics = step.train_step(state, batch)
+    step.params_to(model, state)          # then model(x) as usual
+"""
+
+from megatrain_jax.streaming.functions import (
+    StreamingStep,
+    TemplateError,
+    build_engine,
+    check_layers,
+    check_no_captured_arrays,
+    from_functions,
+)
+from megatrain_jax.streaming.layout import Layout, ModelStep
+from megatrain_jax.streaming.linen_models import from_linen, from_linen_model
+from megatrain_jax.streaming.nnx_models import from_nnx, from_nnx_model, refuse_non_params
+
+__all__ = ["Layout", "ModelStep", "StreamingStep", "TemplateError", "build_engine",
+           "check_layers", "check_no_captured_arrays", "from_functions", "from_linen",
+           "from_linen_model", "from_nnx", "from_nnx_model", "refuse_non_params"]

@@ -36,6 +36,7 @@ from megatrain_jax.tools.roofline import (  # noqa: E402
     Rates,
     at_optimizer_rate,
     bound,
+    gradient_bytes,
     measure,
     streamed_params,
 )
@@ -91,7 +92,7 @@ def run(cfg, trainer, state, args):
     from megatrain_jax.tools.machine import host_rss_bytes, peak_device_bytes, peak_flops
 
     data = TokenSource(cfg)
-    times, losses, norms = [], [], []
+    times, losses, norms, guesses = [], [], [], []
     for step in range(args.warmup + args.steps):
         batch = data.batch_at(0 if args.repeat_batch else step)
         t0 = time.perf_counter()
@@ -100,6 +101,8 @@ def run(cfg, trainer, state, args):
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         norms.append(float(np.asarray(metrics["grad_norm"])))
+        if "speculated_parts" in metrics:  # of the update that overlapped this step
+            guesses.append((int(metrics["speculated_parts"]), int(metrics["rolled_back_parts"])))
 
     phases = []
     engine = getattr(trainer, "engine", None)
@@ -144,11 +147,13 @@ def run(cfg, trainer, state, args):
             max(roofline["optimizer_gparams"], roofline["optimizer_sample_gparams"]),
             roofline["host_memory_kernel_gbps"])
         resident = cfg.stream.resident_layers
-        roofline["step_s_best_rate"] = bound(cfg.model, best, resident_layers=resident)["step_s"]
+        grad_bytes = gradient_bytes(cfg)
+        roofline["step_s_best_rate"] = bound(cfg.model, best, resident_layers=resident,
+                                             grad_bytes=grad_bytes)["step_s"]
         # The bound without the host memory's traffic, comparable with bounds that lack it.
         roofline["step_s_no_host_memory"] = bound(
             cfg.model, dataclasses.replace(Rates.from_result(roofline), host_memory_gbps=0.0),
-            resident_layers=resident)["step_s"]
+            resident_layers=resident, grad_bytes=grad_bytes)["step_s"]
         roofline["ratio_no_host_memory"] = step_s / roofline["step_s_no_host_memory"]
         roofline["ratio"] = step_s / roofline["step_s"]
         roofline["ratio_best_rate"] = step_s / roofline["step_s_best_rate"]
@@ -166,6 +171,7 @@ def run(cfg, trainer, state, args):
         "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
         "peak_host_rss_gib": rss / 2**30, "host_bytes_per_param": rss / p,
         "losses": losses, "grad_norms": norms,
+        "speculated_parts": [g for g, _ in guesses], "rolled_back_parts": [r for _, r in guesses],
         "update": "host" if getattr(engine, "host_optimizer", None) else "device",
         "host_kernel": getattr(getattr(engine, "host_optimizer", None), "kernel", None),
         "roofline": roofline,

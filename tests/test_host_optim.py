@@ -43,8 +43,11 @@ def test_writable_view_writes_into_the_array_without_a_copy():
     view = writable(array)
     view *= 2
     np.testing.assert_array_equal(np.asarray(array), 2 * np.arange(6))
-    with pytest.raises(TypeError, match="float32 and int32"):
-        writable(Placement().to_host(jnp.ones(3, jnp.bfloat16)))
+    halves = Placement().to_host(jnp.ones(3, jnp.bfloat16))
+    bits = writable(halves)  # bf16 as its bits (the view lives only as long as `halves`)
+    assert bits.dtype == np.uint16 and list(bits) == [0x3F80] * 3
+    with pytest.raises(TypeError, match="float32, int32 and bfloat16"):
+        writable(Placement().to_host(jnp.ones(3, jnp.float16)))
 
 
 def test_unknown_kernel_is_refused():

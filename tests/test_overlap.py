@@ -260,3 +260,47 @@ def test_resume_is_bit_exact_across_a_rolled_back_step(tmp_path):
     for x, y in zip(jax.tree.leaves(straight["state"].params),
                     jax.tree.leaves(resumed["state"].params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+def test_host_kernels_read_bf16_gradients_as_their_fp32_values(kernel):
+    """Update then undo with bf16 gradients: bit for bit what the same values in fp32 give."""
+    params, grads, _ = _random_state(1)
+    bf16 = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
+    widened = jax.tree.map(lambda g: g.astype(np.float32), bf16)
+    host = HostAdamW(3e-3, 0.9, 0.95, 1e-8, weight_decay=0.1, mask=decay_mask, kernel=kernel)
+    place, results = Placement(), []
+    for g in (bf16, widened):
+        p, g, s = place.to_host((params, g, host.optax.init(params)))
+        host.update(p, g, s, 0.5)
+        stepped = jax.tree.map(np.array, (p, s))
+        host.undo(p, g, s, 0.5)
+        results.append((stepped, jax.tree.map(np.array, (p, s))))
+    for x, y in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_array_equal(x, y)
+
+
+def _dtypes(tree):
+    return {str(leaf.dtype) for leaf in jax.tree.leaves(tree)}
+
+
+def test_bf16_layer_gradients_are_exact():
+    """bf16 compute, one micro-batch: layer gradients reach the host as bf16 (embedding and
+    head stay fp32), and training is bit for bit the fp32-gradient run's, guesses included;
+    with two micro-batches (summed in fp32 on the device) they stay fp32."""
+    base = ("model.compute_dtype=bfloat16", "optim.lr=1e-3", "stream.speculate=on")
+    trainer = StreamTrainer(_cfg(*base))
+    batch = TokenSource(trainer.cfg).batch_at(0)
+    _, grads, *_ = trainer.engine.forward_backward(trainer.init(None, model.init(
+        trainer.cfg.model, jax.random.key(0))).params, batch)
+    assert _dtypes(grads["layers"]) == {"bfloat16"}
+    assert _dtypes((grads["embed"], grads["head"])) == {"float32"}
+    two = StreamTrainer(_cfg(*base, "data.micro_batches=2"))
+    _, grads, *_ = two.engine.forward_backward(two.init(None, model.init(
+        two.cfg.model, jax.random.key(0))).params, batch)
+    assert _dtypes(grads["layers"]) == {"float32"}
+    halves, _, _, _ = _stream_run(_cfg(*base), 6)
+    full, _, _, _ = _stream_run(_cfg(*base, "stream.grad_dtype=float32"), 6)
+    for x, y in zip(jax.tree.leaves((halves.params, halves.opt_state)),
+                    jax.tree.leaves((full.params, full.opt_state))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -130,6 +130,9 @@ class StreamConfig:
     # Host update during the backward on the guess that the step will not clip (undone and
     # redone when it does): auto (guess when the last step did not clip), on, off.
     speculate: str = "auto"
+    # Layer weight gradients D2H and on the host: auto (in the compute dtype where that is
+    # exact: bf16 compute, one micro-batch) or float32.
+    grad_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "stream.saved_inputs": ("device", "pinned_host"),
     "stream.update": ("auto", "host", "device"),
     "stream.speculate": ("auto", "on", "off"),
+    "stream.grad_dtype": ("auto", "float32"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),
     "loop.tensorboard": ("auto", "on", "off"),

@@ -28,6 +28,8 @@ from typing import Callable
 
 import numpy as np
 
+from megatrain_jax.optim.grad_bits import bf16_to_f32, numba_widen
+
 # Relative bound of the undo, in units of fp32's unit roundoff (see the module docstring).
 UNDO_ULPS = 4
 
@@ -38,6 +40,8 @@ def undo_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, w
     for start in range(0, p.size, chunk):
         stop = min(start + chunk, p.size)
         ps, gs, ms, vs = p[start:stop], g[start:stop], mu[start:stop], nu[start:stop]
+        if gs.dtype == np.uint16:
+            gs = bf16_to_f32(gs)
         u = (ms / bc1) / (np.sqrt(vs / bc2) + eps)
         if wd:
             ps[:] = (ps - neg_lr * u) / (np.float32(1) + neg_lr * wd)
@@ -53,6 +57,7 @@ def numba_undo() -> Callable | None:
         import numba
     except ImportError:
         return None
+    widen = numba_widen()
 
     @numba.njit(parallel=True, nogil=True, fastmath=False, cache=True)
     def undo(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd):
@@ -64,7 +69,7 @@ def numba_undo() -> Callable | None:
                 p[i] = (p[i] - neg_lr * u) / (one + neg_lr * wd)
             else:
                 p[i] = p[i] - neg_lr * u
-            gi = g[i] * scale
+            gi = widen(g[i]) * scale
             mu[i] = (m - omb1 * gi) / b1
             nu[i] = max((v - omb2 * (gi * gi)) / b2, zero)
 

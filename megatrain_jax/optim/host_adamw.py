@@ -24,12 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from megatrain_jax.optim import adamw_inverse
+from megatrain_jax.optim.grad_bits import bf16_to_f32, numba_widen
 
-_CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.int32): ctypes.c_int32}
+_CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.int32): ctypes.c_int32,
+           np.dtype(jnp.bfloat16): ctypes.c_uint16}  # bf16 seen as its bits
 
 
 def writable(array: jax.Array) -> np.ndarray:
@@ -45,13 +48,14 @@ def writable(array: jax.Array) -> np.ndarray:
     array.block_until_ready()
     dtype = np.dtype(array.dtype)
     if dtype not in _CTYPES:
-        raise TypeError(f"host updates support float32 and int32 leaves, not {dtype}")
+        raise TypeError(f"host updates support float32, int32 and bfloat16 leaves, not {dtype}")
     size = max(int(np.prod(array.shape)), 1)
     raw = (_CTYPES[dtype] * size).from_address(array.unsafe_buffer_pointer())
     return np.ctypeslib.as_array(raw).reshape(-1)
 
 
-# ----- kernels: p, g, mu, nu are flat fp32 views; every scalar is an np.float32 ----------
+# ----- kernels: p, mu, nu are flat fp32 views, g fp32 or bf16 bits (uint16); every scalar
+# an np.float32 -----------------------------------------------------------------------------
 
 def _adamw_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd,
                  pool: ThreadPoolExecutor, chunk: int = 1 << 15):
@@ -60,6 +64,8 @@ def _adamw_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr,
     def run(start: int):
         stop = min(start + chunk, p.size)
         ps, gs, ms, vs = p[start:stop], g[start:stop], mu[start:stop], nu[start:stop]
+        if gs.dtype == np.uint16:
+            gs = bf16_to_f32(gs)
         t1, t2 = np.multiply(gs, scale), np.empty_like(gs)
         np.multiply(t1, omb1, out=t2)
         np.multiply(ms, b1, out=ms)
@@ -88,10 +94,12 @@ def _numba_kernel() -> Callable | None:
     except ImportError:
         return None
 
+    widen = numba_widen()
+
     @numba.njit(parallel=True, nogil=True, fastmath=False, cache=True)
     def adamw(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd):
         for i in numba.prange(p.size):
-            gi = g[i] * scale
+            gi = widen(g[i]) * scale
             m = omb1 * gi + b1 * mu[i]
             v = omb2 * (gi * gi) + b2 * nu[i]
             mu[i] = m

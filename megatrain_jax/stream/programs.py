@@ -31,6 +31,11 @@ class Templates:
     `batch` is one micro-batch (a dict of [b, S, ...] arrays). With `tied`, the head also
     receives the embedding parameters and the gradient of both reaches the embedding.
     `normalizer(batch) -> denom` sees the whole batch; the default is the sum of its mask.
+    `layer_grad_dtype`: a dtype (e.g. bfloat16) in which the layer's weight gradients are
+    exact because the layer casts every weight to it before use (the gradient of an fp32
+    weight is then a cast of the cast's gradient). With one micro-batch those gradients travel
+    to the host and rest there in it, half the bytes of fp32; several micro-batches sum in
+    fp32 on the device, which is not exact in it, so they stay fp32. None: always fp32.
     """
 
     embed: Callable
@@ -38,6 +43,7 @@ class Templates:
     head_loss: Callable
     tied: bool = False
     normalizer: Callable | None = None
+    layer_grad_dtype: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +103,8 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
 
         dw, dxs_in = jax.lax.scan(one, _zeros_like(params), (xs, dxs, batch))
         own = optim.sum_of_squares(dw)
+        if t.layer_grad_dtype is not None and xs.shape[0] == 1:  # exact: see Templates
+            dw = jax.tree.map(lambda g: g.astype(t.layer_grad_dtype), dw)
         return dxs_in, dw, sq + own, own
 
     def embed_backward(embed_params, batch, dxs, dembed_from_head, sq):
@@ -111,6 +119,7 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         return dembed, sq, ~jnp.isfinite(sq), optim.clip_scale(sq, clip_norm)
 
     def update(params, grads, opt_state, scale, skip):
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         return optim.apply_update(optimizer, params, grads, opt_state, scale, skip)
 
     return Programs(

@@ -20,6 +20,12 @@ GiB = 2**30
 OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
 
 
+def _gradient_bytes(cfg: Config) -> float:
+    from megatrain_jax.tools.roofline import gradient_bytes  # no JAX: plain arithmetic
+
+    return gradient_bytes(cfg)
+
+
 def estimate(cfg: Config) -> dict:
     m, d, s = cfg.model, cfg.data, cfg.stream
     params = m.num_params
@@ -31,7 +37,7 @@ def estimate(cfg: Config) -> dict:
     host = {
         "master_weights": 4 * (params - resident),
         "optimizer_state": 4 * OPT_STATE_FLOATS[cfg.optim.name] * (params - resident),
-        "gradients": 4 * (params - resident),
+        "gradients": int(_gradient_bytes(cfg) * (params - resident)),
         "saved_inputs": saved if s.saved_inputs == "pinned_host" else 0,
         # Beyond the state: the JAX runtime, allocator rounding and the trainer's own arrays;
         # measured at 3 B/param on the H200 machine (7B: 19.0 B/param resident, 16 of state).

@@ -67,8 +67,11 @@ class Rates:
 
 
 def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
-          resident_layers: int = 0) -> dict:
+          resident_layers: int = 0, grad_bytes: float = 4) -> dict:
     """Seconds per component and both bounds, for one step of `model` at the given rates.
+
+    `grad_bytes`: bytes per streamed parameter of the gradients that travel to the host and
+    that the update reads there (`gradient_bytes(cfg)`: 2 for bf16 layer gradients).
 
     `resident_layers` kept in GPU memory neither travel nor load the host: the link, the
     host optimizer and the host memory carry the other parameters only. (Their own update
@@ -76,12 +79,12 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     """
     p = streamed_params(model, resident_layers)
     weight_pass = bytes_per_param * p / (rates.h2d_gbps * 1e9)
-    gradients = bytes_per_param * p / (rates.d2h_gbps * 1e9)
+    gradients = grad_bytes * p / (rates.d2h_gbps * 1e9)
     forward = model.layers * rates.layer_forward_s
     backward = model.layers * rates.layer_backward_s
     head = rates.head_s
     optimizer = p / (rates.optimizer_gparams * 1e9)
-    host = _host_memory_seconds(p, rates, bytes_per_param)
+    host = _host_memory_seconds(p, rates, bytes_per_param, grad_bytes)
     ideal = max(forward + head + backward, 2 * weight_pass, gradients, optimizer,
                 host["forward"] + host["backward"])
     backward_step = max(backward, weight_pass, gradients, host["backward"])
@@ -112,16 +115,30 @@ def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float) -> Rates
                                host_memory_gbps=max(kernel_gbps, moved))
 
 
-def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int) -> dict:
+def gradient_bytes(cfg) -> float:
+    """Bytes per host-held parameter of a step's gradients: layers' in bf16 where the engine
+    sends them so (stream.grad_dtype=auto, bf16 compute, one micro-batch), the rest fp32."""
+    m = cfg.model
+    if cfg.stream.grad_dtype != "auto" or m.compute_dtype != "bfloat16" \
+            or cfg.data.micro_batches != 1:
+        return 4.0
+    streamed = streamed_params(m, cfg.stream.resident_layers)
+    layers = (m.layers - cfg.stream.resident_layers) * m.params_per_layer
+    return (2 * layers + 4 * (streamed - layers)) / max(streamed, 1)
+
+
+def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int,
+                         grad_bytes: float = 4) -> dict:
     """Seconds of host DRAM traffic in the forward (the overlapped update and the weight pass)
     and in the backward (the weight pass and the gradients); 0 where the bandwidth is unknown.
     A device update is bound by the link, not by host memory, so it adds nothing here."""
     if rates.host_memory_gbps <= 0:
         return {"forward": 0.0, "backward": 0.0}
-    update = HOST_UPDATE_BYTES if rates.overlapped_update else 0
+    # the update reads the gradients at their own size (HOST_UPDATE_BYTES counts fp32)
+    update = HOST_UPDATE_BYTES - (4 - grad_bytes) if rates.overlapped_update else 0
     per_byte = params / (rates.host_memory_gbps * 1e9)
     return {"forward": (update + bytes_per_param) * per_byte,
-            "backward": 2 * bytes_per_param * per_byte}
+            "backward": (bytes_per_param + grad_bytes) * per_byte}
 
 
 def _limit(forward, backward, weight_pass, gradients, optimizer, host_memory) -> str:
@@ -216,7 +233,8 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
               overlapped_update=engine.host_optimizer is not None),
         optimizer_gparams or sample, memory)
     return {**dataclasses.asdict(rates),
-            **bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers),
+            **bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
+                    grad_bytes=gradient_bytes(cfg)),
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": memory}
 
 

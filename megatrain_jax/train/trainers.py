@@ -38,7 +38,11 @@ def llama_templates(config: Config) -> Templates:
         return model.head_loss(p, embed_params, x, batch["targets"], batch["mask"], cfg,
                                denom, chunk)
 
-    return Templates(embed, layer, head_loss, tied=cfg.tie_embeddings)
+    # The layer casts every weight to the compute dtype, so its weight gradients are exact
+    # in it (stream.grad_dtype=auto); embedding and head gradients sum over tokens in fp32.
+    grad_dtype = cfg.compute_dtype if config.stream.grad_dtype == "auto" else None
+    return Templates(embed, layer, head_loss, tied=cfg.tie_embeddings,
+                     layer_grad_dtype=None if grad_dtype == "float32" else grad_dtype)
 
 
 class StreamTrainer:

@@ -271,7 +271,9 @@ def test_host_kernels_read_bf16_gradients_as_their_fp32_values(kernel):
     host = HostAdamW(3e-3, 0.9, 0.95, 1e-8, weight_decay=0.1, mask=decay_mask, kernel=kernel)
     place, results = Placement(), []
     for g in (bf16, widened):
-        p, g, s = place.to_host((params, g, host.optax.init(params)))
+        # fresh copies: on the CPU a host put may alias a NumPy array's own buffer
+        fresh = jax.tree.map(np.copy, params)
+        p, g, s = place.to_host((fresh, g, host.optax.init(fresh)))
         host.update(p, g, s, 0.5)
         stepped = jax.tree.map(np.array, (p, s))
         host.undo(p, g, s, 0.5)
@@ -285,10 +287,12 @@ def _dtypes(tree):
 
 
 def test_bf16_layer_gradients_are_exact():
-    """bf16 compute, one micro-batch: layer gradients reach the host as bf16 (embedding and
-    head stay fp32), and training is bit for bit the fp32-gradient run's, guesses included;
-    with two micro-batches (summed in fp32 on the device) they stay fp32."""
-    base = ("model.compute_dtype=bfloat16", "optim.lr=1e-3", "stream.speculate=on")
+    """stream.grad_dtype=bfloat16, bf16 compute, one micro-batch: layer gradients reach the
+    host as bf16 (embedding and head stay fp32), and on the CPU training is bit for bit the
+    fp32-gradient run's, guesses included; with two micro-batches (summed in fp32 on the
+    device) they stay fp32."""
+    base = ("model.compute_dtype=bfloat16", "optim.lr=1e-3", "stream.speculate=on",
+            "stream.grad_dtype=bfloat16")
     trainer = StreamTrainer(_cfg(*base))
     batch = TokenSource(trainer.cfg).batch_at(0)
     _, grads, *_ = trainer.engine.forward_backward(trainer.init(None, model.init(

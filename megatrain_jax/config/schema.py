@@ -130,9 +130,10 @@ class StreamConfig:
     # Host update during the backward on the guess that the step will not clip (undone and
     # redone when it does): auto (guess when the last step did not clip), on, off.
     speculate: str = "auto"
-    # Layer weight gradients D2H and on the host: auto (in the compute dtype where that is
-    # exact: bf16 compute, one micro-batch) or float32.
-    grad_dtype: str = "auto"
+    # Layer weight gradients D2H and on the host: float32, or bfloat16 (with bf16 compute and
+    # one micro-batch): half their bytes; exact on the CPU, rounded on the GPU, where XLA
+    # makes the weight gradients of bf16 matmuls in fp32 (docs/guide.md).
+    grad_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "stream.saved_inputs": ("device", "pinned_host"),
     "stream.update": ("auto", "host", "device"),
     "stream.speculate": ("auto", "on", "off"),
-    "stream.grad_dtype": ("auto", "float32"),
+    "stream.grad_dtype": ("float32", "bfloat16"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),
     "loop.tensorboard": ("auto", "on", "off"),

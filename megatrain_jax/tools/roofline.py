@@ -117,9 +117,9 @@ def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float) -> Rates
 
 def gradient_bytes(cfg) -> float:
     """Bytes per host-held parameter of a step's gradients: layers' in bf16 where the engine
-    sends them so (stream.grad_dtype=auto, bf16 compute, one micro-batch), the rest fp32."""
+    sends them so (stream.grad_dtype=bfloat16, bf16 compute, one micro-batch), the rest fp32."""
     m = cfg.model
-    if cfg.stream.grad_dtype != "auto" or m.compute_dtype != "bfloat16" \
+    if cfg.stream.grad_dtype != "bfloat16" or m.compute_dtype != "bfloat16" \
             or cfg.data.micro_batches != 1:
         return 4.0
     streamed = streamed_params(m, cfg.stream.resident_layers)

@@ -38,11 +38,13 @@ def llama_templates(config: Config) -> Templates:
         return model.head_loss(p, embed_params, x, batch["targets"], batch["mask"], cfg,
                                denom, chunk)
 
-    # The layer casts every weight to the compute dtype, so its weight gradients are exact
-    # in it (stream.grad_dtype=auto); embedding and head gradients sum over tokens in fp32.
-    grad_dtype = cfg.compute_dtype if config.stream.grad_dtype == "auto" else None
+    # stream.grad_dtype=bfloat16: the layer casts every weight to bf16, so the gradients of
+    # its weights are bf16 values where the backend keeps the matmuls' bf16 outputs (the CPU;
+    # XLA on the GPU makes them in fp32, and the cast rounds them). Embedding and head
+    # gradients sum over tokens in fp32 and stay fp32.
+    halves = config.stream.grad_dtype == "bfloat16" and cfg.compute_dtype == "bfloat16"
     return Templates(embed, layer, head_loss, tied=cfg.tie_embeddings,
-                     layer_grad_dtype=None if grad_dtype == "float32" else grad_dtype)
+                     layer_grad_dtype="bfloat16" if halves else None)
 
 
 class StreamTrainer:

@@ -65,7 +65,7 @@ def planned_changes(cfg: Config, saved: dict) -> tuple[list[str], list[str]]:
     before, after = _learning_rates(old, planned), _learning_rates(cfg, planned)
     differ = np.flatnonzero(before != after)
     if differ.size:
-        step = int(differ[0])
+        first = int(differ[0])  # the update of step first + 1 uses the rate at count `first`
         causes = [f"schedule.{k}: {then['schedule'][k]!r} -> {now['schedule'][k]!r}"
                   for k in now["schedule"] if then["schedule"][k] != now["schedule"][k]]
         if old.optim.lr != cfg.optim.lr:
@@ -76,8 +76,8 @@ def planned_changes(cfg: Config, saved: dict) -> tuple[list[str], list[str]]:
                           "schedule.decay_steps=0 (decay until loop.steps)")
             if old.schedule.decay_steps == 0:
                 hints.append(f"keep the schedule with schedule.decay_steps={old.loop.steps}")
-        changes.append(f"the learning rate of step {step} and later ({before[step]:.6g} -> "
-                       f"{after[step]:.6g}; {', '.join(causes) or 'the schedule'})")
+        changes.append(f"the learning rate from step {first + 1} on ({before[first]:.6g} -> "
+                       f"{after[first]:.6g} there; {', '.join(causes) or 'the schedule'})")
     return changes, hints
 
 

@@ -81,17 +81,17 @@ class Checksum:
         if self.nbytes % 8:
             raise ValueError("only the last chunk may have a size that is not a multiple of 8")
         whole = chunk.size - chunk.size % 8
-        words = [chunk[:whole].view(np.uint64)]
+        parts = [chunk[:whole]]
         if whole < chunk.size:  # the tail, zero-padded into one last word
-            tail = np.zeros(8, np.uint8)
-            tail[:chunk.size - whole] = chunk[whole:]
-            words.append(tail.view(np.uint64))
-        for part in words:
-            total, bad = self._scan(part, self.nbytes // 8, self._f32)
+            parts.append(np.zeros(8, np.uint8))
+            parts[-1][:chunk.size - whole] = chunk[whole:]
+        word = self.nbytes // 8
+        for part in parts:
+            total, bad = self._scan(part.view(np.uint64), word, self._f32)
             self.total = (self.total + total) % 2**64
             self.nonfinite += bad
-            self.nbytes += part.size * 8
-        self.nbytes += chunk.size - sum(part.size * 8 for part in words)
+            word += part.size // 8
+        self.nbytes += chunk.size
         if self._other_float:
             self.nonfinite += int(np.count_nonzero(~np.isfinite(chunk.view(self.dtype))))
 

@@ -253,6 +253,9 @@ ERRORS = {
                   "holds float32 values"),
     "missing source": (lambda p: [f"data.source={p / 'nothing'}"], "no such file or folder"),
     "unknown top-level key": (lambda p: ["steps=5"], "Did you mean 'loop.steps'?"),
+    "run_dir under a file": (lambda p: [_token_file(p, "f.txt", "") and
+                                        f"loop.run_dir={p}/f.txt/r"],
+                             "is not a folder this process can write into"),
 }
 
 

@@ -68,6 +68,12 @@ def host_bytes(array) -> np.ndarray:
     return byte_view(np.ascontiguousarray(host))
 
 
+def drop_cache(fd: int) -> None:
+    """Drops a file's pages from the page cache (where the system can: Linux)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def write_all(fd: int, data: memoryview) -> None:
     while data:
         data = data[os.write(fd, data):]
@@ -105,7 +111,7 @@ def write_array(path: Path, data: np.ndarray, dtype) -> str:
                 raise NonFinite()
             write_all(fd, memoryview(chunk))
         os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_cache(fd)
     except OSError as e:
         e.filename = e.filename or str(path)  # writes to a descriptor name no file
         raise
@@ -131,7 +137,7 @@ def read_array(path: Path, nbytes: int, dtype, checksum: str,
                 if file.readinto(memoryview(chunk)) != n:
                     raise Damaged("ended early")
                 found.update(chunk)
-            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            drop_cache(file.fileno())
     except FileNotFoundError:
         raise Damaged("is missing") from None
     if found.hexdigest() != checksum:

@@ -17,6 +17,7 @@ it with TrainingStopped, the checkpoints from before them kept.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -50,6 +51,16 @@ from megatrain_jax.train.trainers import make_trainer
 class TrainingStopped(RuntimeError):
     """The run cannot go on as configured (its steps keep being skipped); the message says
     why and what the checkpoints hold."""
+
+
+def _check_writable(run_dir: Path) -> None:
+    """Refuses a loop.run_dir that could not be created or written, before anything starts."""
+    existing = run_dir.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"loop.run_dir {run_dir}: {existing} is not a folder this process "
+                          "can write into; choose another loop.run_dir.")
 
 
 def _checkpointer(cfg: Config, trainer) -> Checkpointer | None:
@@ -156,6 +167,7 @@ def train(cfg: Config, log=None, on_start=None) -> dict:
     is created or its config.json replaced; `on_start(first_step)` is called then.
     """
     run_dir = Path(cfg.loop.run_dir)
+    _check_writable(run_dir)
     if cfg.loop.export_dir and Path(cfg.loop.export_dir).exists():
         raise ConfigError(f"loop.export_dir {cfg.loop.export_dir} already exists; name a new "
                           "folder for the exported model.")
@@ -167,9 +179,13 @@ def train(cfg: Config, log=None, on_start=None) -> dict:
         state, start, skipped = _resume(cfg, trainer, ckpt)
         if state is None:
             state = initial_state(cfg, trainer)
-        run_dir.mkdir(parents=True, exist_ok=True)  # the run has started: record it
-        save_config(cfg, run_dir / "config.json")
-        _rewind(run_dir, start)
+        try:  # the run has started: record it
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.json")
+            _rewind(run_dir, start)
+        except OSError as e:
+            raise ConfigError(f"loop.run_dir {run_dir}: cannot write there "
+                              f"({e.strerror or e}); choose another loop.run_dir.") from None
         if on_start is not None:
             on_start(start)
         history, state, skipped = _loop(cfg, trainer, state, start, skipped, data, val, ckpt,

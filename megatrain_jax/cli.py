@@ -39,6 +39,14 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:8.2f} GiB"
 
 
+def _count(n: int) -> str:
+    """6.74B, 124.4M, 30.1K: a parameter count at a glance."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}" if unit == "B" else f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     planner.check_fits(cfg)
@@ -46,16 +54,20 @@ def cmd_train(args) -> int:
         planner.set_pool_env(cfg)
     import jax
 
-    from megatrain_jax.train import train  # starts JAX
+    from megatrain_jax.train import TrainingStopped, train  # starts JAX
 
-    m = cfg.model
-    print(
-        f"megatrain-jax: {m.num_params / 1e6:,.1f}M params, {m.layers} layers, "
-        f"{cfg.data.tokens_per_step:,} tokens/step, trainer={cfg.loop.trainer}, "
-        f"device={jax.devices()[0].device_kind}, run_dir={cfg.loop.run_dir}",
-        file=sys.stderr,
-    )
-    summary = train(cfg)
+    def started(step: int) -> None:
+        m = cfg.model
+        print(f"megatrain-jax: {_count(m.num_params)} params, {m.layers} layers, "
+              f"{cfg.data.tokens_per_step:,} tokens/step, trainer={cfg.loop.trainer}, "
+              f"device={jax.devices()[0].device_kind}, run_dir={cfg.loop.run_dir}"
+              + (f", resuming at step {step}" if step else ""), file=sys.stderr)
+
+    try:
+        summary = train(cfg, on_start=started)
+    except TrainingStopped as e:
+        print(f"megatrain-jax: {e}", file=sys.stderr)
+        return 4
     summary.pop("state")
     print(json.dumps(summary))
     return 0
@@ -82,6 +94,16 @@ def cmd_plan(args) -> int:
         else:
             verdict = "fits" if need <= have else "does NOT fit"
             print(f"{name} memory: {_gib(have).strip()} -> {verdict}")
+    disk = planner.checkpoint_disk(cfg)
+    if not cfg.loop.checkpoint_every:
+        print(f"checkpoints: off (loop.checkpoint_every=0); each would take "
+              f"{_gib(disk['each']).strip()}")
+    else:
+        verdict = "fits" if disk["needed"] <= disk["free"] else "does NOT fit"
+        print(f"checkpoints: {_gib(disk['each']).strip()} each; loop.keep_checkpoints="
+              f"{cfg.loop.keep_checkpoints} needs {_gib(disk['needed']).strip()} free in "
+              f"{disk['folder']} (a new one is complete before the oldest goes): "
+              f"{_gib(disk['free']).strip()} free -> {verdict}")
     best = planner.largest_fitting(cfg, host, gpu)
     if best is None:
         print("largest shipped shape that fits this machine: none")
@@ -160,8 +182,8 @@ def cmd_configs(args) -> int:
     for name, path in shipped_configs().items():
         cfg = load_config(str(path))
         m = cfg.model
-        print(f"{name:14s}{m.num_params / 1e9:8.3f}B  layers={m.layers:<3d} hidden={m.hidden:<5d} "
-              f"vocab={m.vocab_size}")
+        print(f"{name:14s}{_count(m.num_params):>8s}  layers={m.layers:<3d} "
+              f"hidden={m.hidden:<5d} vocab={m.vocab_size}")
     return 0
 
 

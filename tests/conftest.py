@@ -1,4 +1,5 @@
-"""Shared helpers: tiny configs in fp32 on the CPU, and leaf-by-leaf comparison."""
+"""Shared helpers: tiny configs in fp32 on the CPU, leaf-by-leaf comparison, and an opt-in
+persistent compilation cache for modules that train the same tiny model many times."""
 
 import jax
 import numpy as np
@@ -27,3 +28,24 @@ def max_rel_error(a, b) -> float:
 @pytest.fixture
 def tiny_config():
     return tiny
+
+
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+    """A private persistent compilation cache for one module: every `train` call builds a new
+    engine whose programs compile again (about 30 s for the tiny model on 2 busy cores); with
+    the cache the second and later compiles are loads (about 3 s). Reset afterwards, so that
+    other modules compile as they would alone. Use with
+    `pytestmark = pytest.mark.usefixtures("compilation_cache")`."""
+    from jax.experimental.compilation_cache import compilation_cache as cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {name: getattr(jax.config, name) for name in names}
+    cache.reset_cache()
+    for name, value in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0, 0)):
+        jax.config.update(name, value)
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    cache.reset_cache()

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from megatrain_jax.cli import main
+from megatrain_jax.config import load_config
 
 
 def _run(*args, cwd=None):
@@ -52,7 +53,11 @@ def test_plan_and_configs(capsys):
     out = capsys.readouterr().out
     assert "6.74B parameters" in out and "master_weights" in out and "optimizer_state" in out
     assert main(["configs"]) == 0
-    assert "llama3-70b" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "llama3-70b" in out and " 70.55B " in out
+    tiny_params = load_config("tiny").model.num_params
+    tiny_line = next(line for line in out.splitlines() if line.startswith("tiny "))
+    assert f"{tiny_params / 1e3:.1f}K" in tiny_line.split()  # it was "0.000B"
 
 
 def test_report_command_errors_clearly(tmp_path, capsys):

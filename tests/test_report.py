@@ -62,6 +62,24 @@ def test_report_writes_valid_pngs_and_a_summary(run_dir):
         assert height > 100 and width > 100
     text = "\n".join(lines)
     assert "steps 5" in text and "tokens/s" in text and "timeline of step 3" in text
+    assert "peak GPU: not reported (no GPU)" in text  # the CPU reports no device memory
+
+
+def test_timeline_labels_fit_their_bars_and_never_overlap(run_dir):
+    from megatrain_jax.tools.report import label_positions
+
+    bars = json.loads((run_dir / "timeline.json").read_text())["bars"]
+    extent = max(b["end"] for b in bars) - min(b["start"] for b in bars)
+    for char in (extent / 400, extent / 60):  # a wide figure, a narrow one
+        for lane in {b["lane"] for b in bars}:
+            mine = [b for b in bars if b["lane"] == lane]
+            spans = sorted((m - (len(n) + 1) * char / 2, m + (len(n) + 1) * char / 2, n)
+                           for m, n in label_positions(mine, char))
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+            for left, right, name in spans:  # inside a bar of that name
+                assert any(b["name"] == name and b["start"] <= left and right <= b["end"]
+                           for b in mine)
+        assert len(label_positions(bars, extent / 400)) > len(label_positions(bars, extent / 60))
 
 
 def test_report_names_what_is_missing(tmp_path):

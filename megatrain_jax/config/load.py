@@ -19,9 +19,23 @@ from typing import Any
 from megatrain_jax.config.schema import CHOICES, Config, ConfigError, validate
 
 
+def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every leaf key of dataclass `cls` as section.key (section.sub.key when nested)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        typ = typing.get_type_hints(cls)[f.name]
+        keys += _dotted_keys(typ, f"{prefix}{f.name}.") if dataclasses.is_dataclass(typ) \
+            else [prefix + f.name]
+    return keys
+
+
 def _suggest(name: str, valid: typing.Iterable[str]) -> str:
     valid = sorted(valid)
     close = difflib.get_close_matches(name, valid, n=1)
+    if not close:  # a key given without its section (`steps=5`), or in the wrong one
+        everywhere = _dotted_keys(Config)
+        close = [k for k in everywhere if k.rsplit(".", 1)[-1] == name] or \
+            difflib.get_close_matches(name, everywhere, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return f"{hint} Valid keys: {', '.join(valid)}."
 
@@ -115,8 +129,18 @@ def _read_gin(path: Path) -> dict:
             "Install it with: pip install 'megatrain-jax[gin]'"
         ) from e
     values: dict = {}
-    parser = config_parser.ConfigParser(path.read_text(), _GinDelegate())
-    for statement in parser:
+    parser = config_parser.ConfigParser(_read_text(path), _GinDelegate())
+    statements = iter(parser)
+    while True:
+        try:  # the parser reads lazily: a syntax error surfaces at its statement
+            statement = next(statements)
+        except StopIteration:
+            return values
+        except (SyntaxError, ValueError) as e:
+            line, text = getattr(e, "lineno", None), (getattr(e, "text", None) or "").strip()
+            reason = str(getattr(e, "msg", None) or e).strip().splitlines()[-1].strip(" .")
+            raise ConfigError(f"{path}{f':{line}' if line else ''}: gin syntax error: {reason}"
+                              + (f" (at `{text}`)" if text else "") + ".") from None
         if isinstance(statement, config_parser.IncludeStatement):
             for key, value in _flatten(_read_file(path.parent / statement.filename)):
                 _set_path(values, key, value)
@@ -126,7 +150,13 @@ def _read_gin(path: Path) -> dict:
             _set_path(values, f"{statement.selector}.{statement.arg_name}", statement.value)
         else:
             raise ConfigError(f"{path}: unsupported gin statement {statement!r}.")
-    return values
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from None
 
 
 def _flatten(values: dict, prefix: str = "") -> list[tuple[str, Any]]:
@@ -143,9 +173,12 @@ def _read_file(path: Path) -> dict:
     if path.suffix == ".gin":
         return _read_gin(path)
     try:
-        values = json.loads(path.read_text())
+        values = json.loads(_read_text(path))
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: a config is a JSON object of sections "
+                          f'({{"model": {{...}}, ...}}), not a {type(values).__name__}.')
     base = values.pop("base", None)
     if base is not None:  # a config may extend another: {"base": "7b", ...}
         merged = _read_file(resolve_config_path(base, relative_to=path.parent))

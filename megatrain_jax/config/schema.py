@@ -149,6 +149,10 @@ class LoopConfig:
     checkpoint_every: int = 0  # steps between checkpoints in RUN_DIR/checkpoints; 0: none
     keep_checkpoints: int = 3
     resume: bool = True  # continue from the latest checkpoint in RUN_DIR when there is one
+    # Resume although the optimizer, data or learning rates of steps already planned differ
+    # from the checkpoint's run (refused otherwise, naming what changed).
+    accept_changes: bool = False
+    max_skipped_steps: int = 3  # consecutive steps with non-finite gradients that stop the run
     timeline_step: int = 2  # this step's per-layer timeline goes to RUN_DIR/timeline.json; -1: none
     tensorboard: str = "auto"  # event files in RUN_DIR/tensorboard: auto (when installed), on, off
     eval_every: int = 0  # steps between evaluations on the validation split; 0: none
@@ -223,6 +227,7 @@ def validate(cfg: Config) -> Config:
         (cfg.loop.steps > 0, "loop.steps must be > 0"),
         (cfg.loop.checkpoint_every >= 0, "loop.checkpoint_every must be >= 0 (0: none)"),
         (cfg.loop.keep_checkpoints >= 1, "loop.keep_checkpoints must be >= 1"),
+        (cfg.loop.max_skipped_steps >= 1, "loop.max_skipped_steps must be >= 1"),
         (cfg.optim.lr > 0, "optim.lr must be > 0"),
         (cfg.optim.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 turns clipping off)"),
         (0 <= cfg.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio must be within [0, 1]"),

@@ -53,11 +53,31 @@ def bundled_text() -> str:
 
 
 def _load_token_file(path: Path) -> np.ndarray:
-    if path.suffix == ".npy":
-        return np.load(path, mmap_mode="r")
-    meta = path.with_suffix(".json")
-    dtype = json.loads(meta.read_text())["dtype"] if meta.exists() else "uint16"
-    return np.memmap(path, dtype=dtype, mode="r")
+    """The ids of a token file (memory-mapped): `.npy`, or raw `.bin` with an optional `.json`
+    beside it naming the dtype (uint16 without one). Anything else is refused: a text or JSONL
+    file must be tokenized by `prepare` first."""
+    if path.suffix not in (".npy", ".bin"):
+        raise ConfigError(
+            f"data.source: {path} is not a token file (.npy or .bin); text and JSONL are "
+            f"tokenized first: `megatrain-jax prepare {path} --out DIR`, then train with "
+            "data.source=DIR.")
+    try:
+        if path.suffix == ".npy":
+            tokens = np.load(path, mmap_mode="r")
+        else:
+            meta = path.with_suffix(".json")
+            dtype = json.loads(meta.read_text())["dtype"] if meta.exists() else "uint16"
+            tokens = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else \
+                np.zeros(0, dtype)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"data.source: cannot read {path} as tokens ({type(e).__name__}: "
+                          f"{e}).") from None
+    if not np.issubdtype(tokens.dtype, np.integer) or tokens.ndim != 1:
+        raise ConfigError(
+            f"data.source: {path} holds {tokens.dtype} values of shape {tokens.shape}; a token "
+            "file holds a 1-D array of integer ids (uint16, uint32 or int32). `megatrain-jax "
+            "prepare` writes one from text.")
+    return tokens
 
 
 def _load_prepared(folder: Path) -> tuple[dict, np.ndarray, np.ndarray | None, np.ndarray]:
@@ -69,15 +89,20 @@ def _load_prepared(folder: Path) -> tuple[dict, np.ndarray, np.ndarray | None, n
                           "make one with `megatrain-jax prepare`.") from e
     if meta.get("format") != META:
         raise ConfigError(f"data.source: {folder}/meta.json is not of format {META}.")
-    tokens = np.memmap(folder / "tokens.bin", dtype=meta["dtype"], mode="r") \
-        if meta["tokens"] else np.zeros(0, np.uint16)
+    try:
+        tokens = np.memmap(folder / "tokens.bin", dtype=meta["dtype"], mode="r") \
+            if meta["tokens"] else np.zeros(0, np.uint16)
+        mask = None
+        if meta["kind"] == "sft":
+            mask = np.memmap(folder / "loss_mask.bin", dtype=np.uint8, mode="r")
+        starts = np.load(folder / "documents.npy")
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"data.source: {folder} is an incomplete prepared folder "
+                          f"({type(e).__name__}: {e}); prepare it again.") from None
     if len(tokens) != meta["tokens"]:
         raise ConfigError(f"data.source: {folder}/tokens.bin holds {len(tokens)} tokens, "
                           f"meta.json says {meta['tokens']}; prepare it again.")
-    mask = None
-    if meta["kind"] == "sft":
-        mask = np.memmap(folder / "loss_mask.bin", dtype=np.uint8, mode="r")
-    return meta, tokens, mask, np.load(folder / "documents.npy")
+    return meta, tokens, mask, starts
 
 
 class TokenSource:
@@ -119,8 +144,11 @@ class TokenSource:
     def _check_ids(self, vocab: int, origin: str = "") -> None:
         if len(self.tokens) == 0:
             raise ConfigError(f"data.source '{self.cfg.data.source}' holds no tokens.")
-        top = int(np.max(self.tokens))
-        if top >= vocab or int(np.min(self.tokens)) < 0:
+        low, top = int(np.min(self.tokens)), int(np.max(self.tokens))
+        if low < 0:
+            raise ConfigError(f"data.source holds token id {low}: ids are never negative; "
+                              "the file is not tokens, or not of the dtype it was read as.")
+        if top >= vocab:
             raise ConfigError(
                 f"data.source holds token id {top}, outside the vocabulary of "
                 f"model.vocab_size={vocab}{' ' + origin if origin else ''}; was it prepared "

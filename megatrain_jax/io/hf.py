@@ -18,6 +18,7 @@ starts, so that the memory plan and the pinned pool are computed from the real m
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
@@ -252,6 +253,12 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str | Path, dtype: str 
     for name in SIDE_FILES if source else ():
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, tmp / name)
+    # Files readable by all, as the umask allows (safetensors writes its own 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in tmp.iterdir():
+        file.chmod(0o666 & ~umask)
+    tmp.chmod(0o777 & ~umask)
     tmp.rename(out)
     return out
 

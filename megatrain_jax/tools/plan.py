@@ -3,6 +3,7 @@
     estimate(cfg)          -> {component: bytes} for host and device
     check_fits(cfg)        -> raises ConfigError with the numbers when it cannot fit
     largest_fitting(cfg)   -> the largest shipped shape this machine holds, with cfg's settings
+    checkpoint_disk(cfg)   -> bytes per checkpoint, bytes the run's checkpoints need, free bytes
 
 Runs before JAX starts, so that the pinned host pool can be sized from the model. The GPU's
 memory is read from nvidia-smi, so that JAX need not start to know it.
@@ -15,6 +16,7 @@ import os
 import subprocess
 
 from megatrain_jax.config import Config, ConfigError, load_config, shipped_configs
+from megatrain_jax.io import array_files, checkpoint
 
 GiB = 2**30
 OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
@@ -61,6 +63,12 @@ def estimate(cfg: Config) -> dict:
     if cfg.loop.trainer == "reference":
         device = {"whole_model_state": 16 * params, "workspace": workspace, "saved": saved}
         host = {}
+    if cfg.loop.checkpoint_every:
+        # A save copies the state held in GPU memory to the host (host state is written from
+        # its own buffers) and reads back through one chunk buffer per thread.
+        on_device = params if cfg.loop.trainer == "reference" else resident
+        host["checkpoint_copies"] = 4 * state_floats * on_device + \
+            checkpoint.THREADS * array_files.CHUNK
     return {"host": host, "device": device, "host_total": sum(host.values()),
             "device_total": sum(device.values())}
 
@@ -81,7 +89,8 @@ def pinned_pool_bytes(cfg: Config) -> int:
     if cfg.stream.host_memory_gb:
         return int(cfg.stream.host_memory_gb * GiB)
     host = estimate(cfg)["host"]
-    pinned = sum(n for name, n in host.items() if name != "runtime_overhead")
+    pinned = sum(n for name, n in host.items()
+                 if name not in ("runtime_overhead", "checkpoint_copies"))  # not pinned
     # The pool is a cap, but a larger one lets the allocator's regions grow past the state
     # (measured: 2 GiB more RSS at 7b): the measurement's room is added only where the
     # state's own margin lacks it, as when every layer lives on the GPU.
@@ -153,3 +162,17 @@ def set_pool_env(cfg: Config) -> None:
     """Sizes XLA's pinned host pool before JAX starts; a value already in the environment wins."""
     gib = pinned_pool_bytes(cfg) // GiB + 1
     os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(gib))
+
+
+def checkpoint_bytes(cfg: Config) -> int:
+    """Bytes of one checkpoint: the fp32 weights and optimizer state of every parameter."""
+    return 4 * (1 + OPT_STATE_FLOATS[cfg.optim.name]) * cfg.model.num_params
+
+
+def checkpoint_disk(cfg: Config) -> dict:
+    """What the run's checkpoints need on the disk of RUN_DIR/checkpoints: `each` checkpoint,
+    `needed` free (keep_checkpoints + 1 at once, less those already there) and `free`."""
+    folder = f"{cfg.loop.run_dir}/checkpoints"
+    each = checkpoint_bytes(cfg)
+    return {"folder": folder, "each": each, "free": checkpoint.free_bytes(folder),
+            "needed": checkpoint.room_needed(folder, cfg.loop.keep_checkpoints, each)}

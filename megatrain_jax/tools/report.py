@@ -50,9 +50,10 @@ def summarize(metrics: list[dict], timeline: dict | None) -> list[str]:
         + (f", MFU {statistics.median(r['mfu'] for r in steady):.1%}"
            if last.get("mfu") is not None else ""),
     ]
-    gpu = max((r.get("peak_device_bytes") or 0) for r in metrics)
+    gpu = [r["peak_device_bytes"] for r in metrics if r.get("peak_device_bytes") is not None]
     rss = max(r.get("host_rss_bytes", 0) for r in metrics)
-    lines.append(f"peak GPU {gpu / 2**30:.2f} GiB, host RSS {rss / 2**30:.2f} GiB")
+    lines.append((f"peak GPU {max(gpu) / 2**30:.2f} GiB" if gpu else
+                   "peak GPU: not reported (no GPU)") + f", host RSS {rss / 2**30:.2f} GiB")
     timed = [r for r in steady if "time_forward_backward_s" in r]
     if timed:
         split = {k[5:]: statistics.median(r.get(k, 0.0) for r in timed)
@@ -106,19 +107,32 @@ def _plot_series(plt, path: Path, title: str, series: dict, ylabel: str, right=N
     plt.close(fig)
 
 
+def label_positions(bars: list[dict], char: float) -> list[tuple[float, str]]:
+    """(centre, name) of the bars of one lane to label: those whose name (`char` seconds a
+    character) fits inside them, and never over a label already placed."""
+    placed, free_from = [], -float("inf")
+    for b in sorted(bars, key=lambda b: b["start"]):
+        width, middle = (len(b["name"]) + 1) * char, (b["start"] + b["end"]) / 2
+        if b["end"] - b["start"] > width and middle - width / 2 >= free_from:
+            placed.append((middle, b["name"]))
+            free_from = middle + width / 2
+    return placed
+
+
 def plot_timeline(plt, path: Path, timeline: dict) -> None:
     bars = timeline["bars"]
     lanes = [lane for lane in LANES if any(b["lane"] == lane for b in bars)]
     extent = max(b["end"] for b in bars) - min(b["start"] for b in bars)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1.6))
+    width = 12
+    fig, ax = plt.subplots(figsize=(width, 0.6 * len(lanes) + 1.6))
+    # A 6-point character is about 0.05 inch: in seconds, on an axis ~0.85 of the figure wide.
+    char = 0.05 * extent / (0.85 * width)
     for row, lane in enumerate(lanes):
         spans = [(b["start"], b["end"] - b["start"]) for b in bars if b["lane"] == lane]
         ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=LANE_COLORS.get(lane, "grey"),
                        edgecolor="white", linewidth=0.3)
-        for b in (b for b in bars if b["lane"] == lane):
-            if b["end"] - b["start"] > 0.03 * extent:  # name the bars wide enough to read
-                ax.text((b["start"] + b["end"]) / 2, row, b["name"], ha="center",
-                        va="center", fontsize=6, clip_on=True)
+        for middle, name in label_positions([b for b in bars if b["lane"] == lane], char):
+            ax.text(middle, row, name, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the step's start")

@@ -4,9 +4,15 @@
     summary = train(load_config("demo"))      # writes RUN_DIR/config.json, metrics.jsonl
 """
 
-from megatrain_jax.train.loop import evaluate, export_run, initial_state, train
+from megatrain_jax.train.loop import (
+    TrainingStopped,
+    evaluate,
+    export_run,
+    initial_state,
+    train,
+)
 from megatrain_jax.train.reference import ReferenceTrainer, TrainState
 from megatrain_jax.train.trainers import StreamTrainer, llama_templates, make_trainer
 
-__all__ = ["ReferenceTrainer", "StreamTrainer", "TrainState", "evaluate", "export_run",
-           "initial_state", "llama_templates", "make_trainer", "train"]
+__all__ = ["ReferenceTrainer", "StreamTrainer", "TrainState", "TrainingStopped", "evaluate",
+           "export_run", "initial_state", "llama_templates", "make_trainer", "train"]

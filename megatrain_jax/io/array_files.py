@@ -1,0 +1,144 @@
+"""One array in one file: written from its buffer in chunks, checksummed, read back checked.
+
+    data = host_bytes(array)                    # a view of a host buffer, else a host copy
+    checksum = write_array(path, data, dtype)   # raises NonFinite before writing inf or NaN
+    read_array(path, nbytes, dtype, checksum, into=None)   # raises Damaged with the reason
+
+The file holds the array's bytes in row-major order and nothing else; its shape, dtype and
+checksum live in the checkpoint's manifest. Writes and reads go in chunks of CHUNK bytes
+through one buffer at most, and the pages written or read are dropped from the page cache, so
+that reading back what was written reads the disk, and neither fills host memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from megatrain_jax.io.checksum import Checksum
+
+CHUNK = 16 * 2**20  # bytes per write, read and checksum call
+
+
+class NonFinite(Exception):
+    """The array holds inf or NaN."""
+
+
+class Damaged(Exception):
+    """The file is missing, of the wrong size, or does not match its checksum (the reason)."""
+
+
+def mapped_empty(shape, dtype) -> np.ndarray:
+    """An uninitialized array in its own anonymous memory map, unmapped (returned to the
+    system) when the last reference to it goes. Buffers of this size from malloc would stay
+    in the allocator's arenas, and the process's RSS with them."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype, int(np.prod(shape))).reshape(shape)
+
+
+def byte_view(array: np.ndarray) -> np.ndarray:
+    """The bytes of a contiguous NumPy array, as a flat uint8 array (no copy)."""
+    return array.reshape(-1).view(np.uint8)
+
+
+def host_bytes(array) -> np.ndarray:
+    """The bytes of a JAX array as a flat uint8 NumPy array: a view of the buffer itself when
+    it sits in host memory in row-major order (the caller keeps `array` alive and unwritten
+    while it reads), else a host copy (of a device array, which the next step may donate)."""
+    device = next(iter(array.devices()))
+    layout = getattr(getattr(array, "format", None), "layout", None)
+    major_to_minor = getattr(layout, "major_to_minor", None)
+    row_major = major_to_minor is None or tuple(major_to_minor) == tuple(range(array.ndim))
+    in_host_memory = array.sharding.memory_kind != device.default_memory().kind
+    nbytes = int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
+    array.block_until_ready()
+    if in_host_memory and row_major and nbytes:
+        raw = (ctypes.c_uint8 * nbytes).from_address(array.unsafe_buffer_pointer())
+        view = np.ctypeslib.as_array(raw)
+        view.flags.writeable = False
+        return view
+    host = np.asarray(array)  # from a GPU: a copy, cached on the array until it is donated
+    if nbytes and host.ctypes.data == array.unsafe_buffer_pointer():  # a CPU buffer in place
+        host, view = mapped_empty(host.shape, host.dtype), host
+        host[...] = view
+    return byte_view(np.ascontiguousarray(host))
+
+
+def drop_cache(fd: int) -> None:
+    """Drops a file's pages from the page cache (where the system can: Linux)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Writes a new file and syncs it to the disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_all(fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_folder(folder: Path) -> None:
+    """Makes the renames and new files in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_array(path: Path, data: np.ndarray, dtype) -> str:
+    """Writes `data` (uint8) to a new file, synced; returns its checksum. Stops with NonFinite
+    at the first chunk that holds inf or NaN."""
+    checksum = Checksum(dtype)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for start in range(0, data.size, CHUNK):
+            chunk = data[start:start + CHUNK]
+            checksum.update(chunk)
+            if checksum.nonfinite:
+                raise NonFinite()
+            write_all(fd, memoryview(chunk))
+        os.fsync(fd)
+        drop_cache(fd)
+    except OSError as e:
+        e.filename = e.filename or str(path)  # writes to a descriptor name no file
+        raise
+    finally:
+        os.close(fd)
+    return checksum.hexdigest()
+
+
+def read_array(path: Path, nbytes: int, dtype, checksum: str,
+               into: np.ndarray | None = None) -> None:
+    """Reads a file written by `write_array` (into the uint8 array `into`, or through one
+    chunk buffer) and checks its size and checksum; raises Damaged with the reason."""
+    buffer = mapped_empty(min(CHUNK, nbytes), np.uint8) if into is None else None
+    found = Checksum(dtype)
+    try:
+        with open(path, "rb", buffering=0) as file:
+            size = os.fstat(file.fileno()).st_size
+            if size != nbytes:
+                raise Damaged(f"holds {size} bytes, {nbytes} expected")
+            for start in range(0, size, CHUNK):
+                n = min(CHUNK, size - start)
+                chunk = into[start:start + n] if into is not None else buffer[:n]
+                if file.readinto(memoryview(chunk)) != n:
+                    raise Damaged("ended early")
+                found.update(chunk)
+            drop_cache(file.fileno())
+    except FileNotFoundError:
+        raise Damaged("is missing") from None
+    if found.hexdigest() != checksum:
+        raise Damaged("does not match the checksum written with it")

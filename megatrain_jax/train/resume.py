@@ -1,0 +1,110 @@
+"""Whether a checkpoint may continue under a config, and the record that lets it tell.
+
+    meta = run_record(cfg, step, skipped_steps)   # saved with every checkpoint
+    check_continues(cfg, meta, folder)            # before a resume reads any array
+
+A resumed run must be the run that wrote the checkpoint: the same model (else the arrays do not
+fit) and, over the steps that run had planned (its loop.steps), the same optimizer, the same
+batches and the same learning rates, so that resuming gives what an unbroken run would have.
+`schedule.decay_steps=0` decays until loop.steps: raising loop.steps under it changes the
+learning rate of every step already planned. Such a change is refused, naming what changed and
+how to continue on purpose (`schedule.decay_steps` fixed at the old length, or
+`loop.accept_changes=true`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from megatrain_jax.config import Config, ConfigError, to_dict
+from megatrain_jax.io.checkpoint import CheckpointError
+
+# The settings that decide the batch of step n (data.micro_batches only splits it).
+DATA_KEYS = ("source", "batch_size", "seq_len", "seed", "val_fraction")
+
+
+def run_record(cfg: Config, step: int, skipped_steps: int) -> dict:
+    """What a checkpoint records besides the state: where the run stands and its config."""
+    return {"step": step, "data_position": step, "skipped_steps": skipped_steps,
+            "config": to_dict(cfg)}
+
+
+def _saved_config(cfg: Config, saved: dict) -> Config:
+    """The checkpoint's run config, over `cfg` for what it does not record (or no longer
+    exists in the schema)."""
+
+    def merge(current, values: dict):
+        known = {f.name for f in dataclasses.fields(current)}
+        return dataclasses.replace(current, **{k: v for k, v in values.items()
+                                               if k in known and not isinstance(v, dict)})
+
+    sections = {name: merge(getattr(cfg, name), saved.get(name, {}))
+                for name in ("optim", "schedule", "data", "loop")}
+    return dataclasses.replace(cfg, **sections)
+
+
+def _learning_rates(cfg: Config, steps: int) -> np.ndarray:
+    from megatrain_jax.optim import learning_rate
+
+    return np.asarray(learning_rate(cfg)(np.arange(steps)))
+
+
+def planned_changes(cfg: Config, saved: dict) -> tuple[list[str], list[str]]:
+    """(what differs in the steps the checkpoint's run planned, ways to keep them)."""
+    old = _saved_config(cfg, saved)
+    now, then = to_dict(cfg), to_dict(old)
+    changes = [f"optim.{k}: {then['optim'][k]!r} -> {now['optim'][k]!r}"
+               for k in now["optim"] if k != "lr" and then["optim"][k] != now["optim"][k]]
+    changes += [f"data.{k}: {then['data'][k]!r} -> {now['data'][k]!r}"
+                for k in DATA_KEYS if then["data"][k] != now["data"][k]]
+    hints = []
+    planned = old.loop.steps
+    before, after = _learning_rates(old, planned), _learning_rates(cfg, planned)
+    differ = np.flatnonzero(before != after)
+    if differ.size:
+        first = int(differ[0])  # the update of step first + 1 uses the rate at count `first`
+        causes = [f"schedule.{k}: {then['schedule'][k]!r} -> {now['schedule'][k]!r}"
+                  for k in now["schedule"] if then["schedule"][k] != now["schedule"][k]]
+        if old.optim.lr != cfg.optim.lr:
+            causes.append(f"optim.lr: {old.optim.lr!r} -> {cfg.optim.lr!r}")
+        if old.loop.steps != cfg.loop.steps and 0 in (old.schedule.decay_steps,
+                                                      cfg.schedule.decay_steps):
+            causes.append(f"loop.steps: {old.loop.steps} -> {cfg.loop.steps} with "
+                          "schedule.decay_steps=0 (decay until loop.steps)")
+            if old.schedule.decay_steps == 0:
+                hints.append(f"keep the schedule with schedule.decay_steps={old.loop.steps}")
+        changes.append(f"the learning rate from step {first + 1} on ({before[first]:.6g} -> "
+                       f"{after[first]:.6g} there; {', '.join(causes) or 'the schedule'})")
+    return changes, hints
+
+
+def check_continues(cfg: Config, meta: dict, folder: Path) -> None:
+    """Refuses to resume from the checkpoint in `folder` (whose record is `meta`) a run that
+    would not continue it: another model, a finished run, or changed planned steps."""
+    saved = meta.get("config") or {}
+    then, now = saved.get("model", meta.get("model", {})), to_dict(cfg)["model"]
+    differ = sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k))
+    if differ:
+        detail = ", ".join(f"model.{k}: checkpoint {then.get(k)!r} vs config {now.get(k)!r}"
+                           for k in differ[:5])
+        raise CheckpointError(f"checkpoint {folder} is of another model ({detail}). Use "
+                              "another loop.run_dir, or move its checkpoints away.")
+    step = meta["step"]
+    old = _saved_config(cfg, saved)
+    if step >= cfg.loop.steps:
+        keep = (f" with schedule.decay_steps={old.loop.steps} to keep the learning rates "
+                "already used" if saved and old.schedule.decay_steps == 0 else "")
+        raise CheckpointError(f"{folder.parent} already holds step {step}, and loop.steps is "
+                              f"{cfg.loop.steps}: raise loop.steps to train on{keep}, or use "
+                              "another loop.run_dir.")
+    if not saved or cfg.loop.accept_changes:
+        return
+    changes, hints = planned_changes(cfg, saved)
+    if changes:
+        ways = " or ".join(hints + ["accept the change with loop.accept_changes=true"])
+        raise ConfigError(
+            f"resuming from {folder} would change the steps its run had planned (up to step "
+            f"{old.loop.steps}): {'; '.join(changes)}. To continue on purpose, {ways}.")

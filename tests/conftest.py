@@ -1,5 +1,6 @@
-"""Shared helpers: tiny configs in fp32 on the CPU, leaf-by-leaf comparison, and an opt-in
-persistent compilation cache for modules that train the same tiny model many times."""
+"""Shared helpers: tiny configs in fp32 on the CPU, leaf-by-leaf comparison, and a
+persistent compilation cache for the session (the tests train the same tiny models many
+times)."""
 
 import jax
 import numpy as np
@@ -30,13 +31,12 @@ def tiny_config():
     return tiny
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
-    """A private persistent compilation cache for one module: every `train` call builds a new
-    engine whose programs compile again (about 30 s for the tiny model on 2 busy cores); with
-    the cache the second and later compiles are loads (about 3 s). Reset afterwards, so that
-    other modules compile as they would alone. Use with
-    `pytestmark = pytest.mark.usefixtures("compilation_cache")`."""
+    """A persistent compilation cache private to the test session: every trainer builds its
+    own programs, and the many tests that train the same tiny models would compile them
+    again (about 30 s for the tiny model on 2 busy cores); with the cache, later compiles
+    are loads (about 3 s). Tests that count compilations use shapes no other test uses."""
     from jax.experimental.compilation_cache import compilation_cache as cache
 
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",

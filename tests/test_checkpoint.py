@@ -12,8 +12,6 @@ from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError
 from megatrain_jax.stream.placement import memory_kinds
 from megatrain_jax.train import make_trainer, train
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")  # the same tiny model, many runs
-
 
 def _losses(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

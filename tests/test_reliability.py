@@ -21,8 +21,6 @@ from megatrain_jax.train import loop as train_loop
 from megatrain_jax.train import make_trainer, train
 from megatrain_jax.train.resume import check_continues
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")  # the same tiny model, many runs
-
 SETTINGS = ("model.compute_dtype=float32", "loop.progress=none", "loop.tensorboard=off",
             "loop.timeline_step=-1", "loop.log_every=1", "loop.checkpoint_every=2")
 

@@ -128,8 +128,9 @@ class StreamConfig:
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
     resident_layers: int = 0  # the first K layers' weights and optimizer state stay on the GPU
     # Host update during the backward on the guess that the step will not clip (undone and
-    # redone when it does): auto (guess when the last step did not clip), on, off.
-    speculate: str = "auto"
+    # redone when it does): off, auto (guess when the last step did not clip), on. Off by
+    # default: on the H200 box the host memory is as busy in the backward (docs/guide.md).
+    speculate: str = "off"
     # Layer weight gradients D2H and on the host: float32, or bfloat16 (with bf16 compute and
     # one micro-batch): half their bytes; exact on the CPU, rounded on the GPU, where XLA
     # makes the weight gradients of bf16 matmuls in fp32 (docs/guide.md).
@@ -179,7 +180,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "schedule.kind": ("cosine", "linear", "constant"),
     "stream.saved_inputs": ("device", "pinned_host"),
     "stream.update": ("auto", "host", "device"),
-    "stream.speculate": ("auto", "on", "off"),
+    "stream.speculate": ("off", "auto", "on"),
     "stream.grad_dtype": ("float32", "bfloat16"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),

@@ -1,5 +1,5 @@
 """What this machine offers and what the process uses: peak FLOP/s for MFU, peak GPU bytes,
-peak host RSS. Read after JAX has started."""
+host RSS (peak and now). Read after JAX has started."""
 
 from __future__ import annotations
 
@@ -25,3 +25,13 @@ def peak_device_bytes() -> int | None:
 def host_rss_bytes() -> int:
     """Peak resident set size of this process."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def host_rss_now_bytes() -> int:
+    """Resident set size of this process now (Linux: /proc/self/statm; elsewhere the peak),
+    which shows memory given back, as after a checkpoint's write."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):
+        return host_rss_bytes()

@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from megatrain_jax.optim.grad_bits import bf16_to_f32, numba_widen
+from megatrain_jax.optim.grad_bits import bf16_to_f32, numba_tools
 
 # Relative bound of the undo, in units of fp32's unit roundoff (see the module docstring).
 UNDO_ULPS = 4
@@ -53,11 +53,9 @@ def undo_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, w
 
 
 def numba_undo() -> Callable | None:
-    try:
-        import numba
-    except ImportError:
+    if (tools := numba_tools()) is None:
         return None
-    widen = numba_widen()
+    numba, widen = tools
 
     @numba.njit(parallel=True, nogil=True, fastmath=False, cache=True)
     def undo(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd):

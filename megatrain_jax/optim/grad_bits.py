@@ -17,6 +17,15 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def numba_tools() -> tuple | None:
+    """(numba, widen) for the host kernels, or None where numba does not import."""
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba, numba_widen()
+
+
 def numba_widen() -> Callable:
     """A numba function for the kernels' gradient reads: an fp32 value as it is, bf16 bits
     (uint16) widened to the fp32 of the same value (a bit cast of bits << 16)."""

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 from megatrain_jax.optim import adamw_inverse
-from megatrain_jax.optim.grad_bits import bf16_to_f32, numba_widen
+from megatrain_jax.optim.grad_bits import bf16_to_f32, numba_tools
 
 _CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.int32): ctypes.c_int32,
            np.dtype(jnp.bfloat16): ctypes.c_uint16}  # bf16 seen as its bits
@@ -89,12 +89,9 @@ def _adamw_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr,
 
 
 def _numba_kernel() -> Callable | None:
-    try:
-        import numba
-    except ImportError:
+    if (tools := numba_tools()) is None:
         return None
-
-    widen = numba_widen()
+    numba, widen = tools
 
     @numba.njit(parallel=True, nogil=True, fastmath=False, cache=True)
     def adamw(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd):

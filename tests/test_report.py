@@ -11,7 +11,7 @@ from megatrain_jax.tools.report import ReportError, report
 from megatrain_jax.train import train
 
 FIELDS = ("loss", "lr", "grad_norm", "skipped_steps", "tokens_per_s", "mfu",
-          "peak_device_bytes", "host_rss_bytes", "time_forward_backward_s",
+          "peak_device_bytes", "host_rss_bytes", "host_rss_now_bytes", "time_forward_backward_s",
           "time_wait_update_s", "time_wait_d2h_s")
 
 
@@ -19,7 +19,8 @@ FIELDS = ("loss", "lr", "grad_norm", "skipped_steps", "tokens_per_s", "mfu",
 def run_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("run")
     cfg = tiny("model.layers=3", "loop.steps=5", "loop.log_every=1", f"loop.run_dir={path}",
-               "loop.timeline_step=2", "loop.progress=none")
+               "loop.timeline_step=2", "loop.progress=none", "stream.speculate=on",
+               "optim.clip_norm=0")  # every part but the embedding updated during the backward
     train(cfg)
     return path
 
@@ -32,6 +33,8 @@ def test_metrics_have_every_field_every_step(run_dir):
         assert r["time_forward_backward_s"] > 0
     # from step 2 on, the host update of the step before overlapped this one
     assert all(r["time_update_s"] > 0 for r in records[1:])
+    assert [r["speculated_parts"] for r in records[1:]] == [4] * 4  # 3 layers and the head
+    assert all(r["rolled_back_parts"] == 0 for r in records[1:])  # no clipping: all stand
 
 
 def test_timeline_shows_every_layer_on_every_lane(run_dir):
@@ -63,6 +66,7 @@ def test_report_writes_valid_pngs_and_a_summary(run_dir):
     text = "\n".join(lines)
     assert "steps 5" in text and "tokens/s" in text and "timeline of step 3" in text
     assert "peak GPU: not reported (no GPU)" in text  # the CPU reports no device memory
+    assert "update during the backward: 4 of 5 logged steps guessed 16 parts, 0 undone" in text
 
 
 def test_timeline_labels_fit_their_bars_and_never_overlap(run_dir):

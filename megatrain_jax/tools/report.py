@@ -61,6 +61,11 @@ def summarize(metrics: list[dict], timeline: dict | None) -> list[str]:
                            "time_wait_d2h_s", "time_wait_checkpoint_s") if k in timed[-1]}
         lines.append("step split (median s): " + ", ".join(f"{k} {v:.3f}"
                                                           for k, v in split.items()))
+    guessed = [r for r in metrics if r.get("speculated_parts")]
+    if guessed:  # the host update during the backward (stream.speculate)
+        lines.append(f"update during the backward: {len(guessed)} of {len(metrics)} logged "
+                     f"steps guessed {sum(r['speculated_parts'] for r in guessed):.0f} parts, "
+                     f"{sum(r.get('rolled_back_parts', 0) for r in guessed):.0f} undone")
     if timeline:
         lines.append(timeline_verdict(timeline))
     return lines

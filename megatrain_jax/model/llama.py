@@ -171,15 +171,19 @@ def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None)
     if cfg.qk_norm:
         q = ops.rms_norm(q, p.q_norm, cfg.norm_eps)
         k = ops.rms_norm(k, p.k_norm, cfg.norm_eps)
-    inv_freq = ops.rope_frequencies(e, cfg.rope_theta, cfg.rope_scaling)
-    q = ops.apply_rope(q, positions, inv_freq)
-    k = ops.apply_rope(k, positions, inv_freq)
+    cos, sin = ops.rope_angles(positions, rope_frequencies(cfg))
+    q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
     impl = ops.pick_attention(cfg.attention, dtype)
     attn = ops.attention(q, k, v, impl, segment_ids).reshape(b, s, cfg.heads * e)
     x = x + jnp.einsum("bsn,nd->bsd", attn, p.wo)
 
     h = ops.rms_norm(x, p.mlp_norm, cfg.norm_eps)
     return x + ops.swiglu(h, p.w_gate, p.w_up, p.w_down)
+
+
+def rope_frequencies(cfg: ModelConfig):
+    """The model's rotary inverse frequencies [E/2], float64 (host, from the config alone)."""
+    return ops.rope_frequencies(cfg.dh, cfg.rope_theta, cfg.rope_scaling)
 
 
 def head_out_weight(head: HeadParams, embed_params: EmbedParams | None):

@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from megatrain_jax.config import RopeScaling
 
@@ -21,11 +22,10 @@ def rms_norm(x, weight, eps: float):
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling):
-    """Inverse frequencies [E/2], with Llama-3.1-style band scaling when asked."""
-    # iota, not arange: an op in the trace rather than a constant captured by it
-    steps = jax.lax.iota(jnp.float32, head_dim // 2) * 2
-    inv = 1.0 / (theta ** (steps / head_dim))
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """Inverse frequencies [E/2] in float64, on the host, with Llama-3.1-style band scaling
+    when asked. They depend on the config only; `rope_angles` turns them into exact angles."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling.kind == "linear":
         return inv / scaling.factor
     if scaling.kind != "llama3":
@@ -38,18 +38,63 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling):
         scaling.high_freq_factor - scaling.low_freq_factor
     )
     blended = (1 - smooth) * inv / scaling.factor + smooth * inv
-    scaled = jnp.where(wavelen > low_wavelen, inv / scaling.factor, blended)
-    return jnp.where(wavelen < high_wavelen, inv, scaled)
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, blended)
+    return np.where(wavelen < high_wavelen, inv, scaled)
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotates x [B, S, N, E] by positions [B, S]; halves convention (as Hugging Face stores)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # B S E/2
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+_DIGIT = 12  # bits per base-4096 digit of a frequency's turns, and of a position's low part
+
+
+def _turn_digits(inv_freq: np.ndarray) -> np.ndarray:
+    """int32 [4, E/2]: the first four base-4096 digits of each frequency's turns per position
+    (inv_freq / 2pi, fractional part), 48 bits: truncation errs by < 2**-48 turns a position."""
+    turns = np.mod(np.asarray(inv_freq, np.float64) / (2 * math.pi), 1.0)
+    digits = []
+    for _ in range(4):
+        turns = turns * 2**_DIGIT
+        digits.append(np.floor(turns))
+        turns = turns - digits[-1]
+    return np.stack(digits).astype(np.int32)
+
+
+def rope_angles(positions, inv_freq: np.ndarray):
+    """(cos, sin) [..., E/2] fp32 of positions [...] (int, |p| < 2**24) times inv_freq.
+
+    fp32 `positions * inv_freq` is off by up to 0.03 rad at 5e5 positions (the product's own
+    rounding; the frequency's adds as much). Here the angle is reduced in whole turns exactly:
+    the position splits into p = hi * 4096 + lo (12 bits each) and the turns per position into
+    four 12-bit digits m_k (float64 on the host), so every product hi*m_k, lo*m_k is an exact
+    fp32 integer, and so is its fractional part once scaled by a power of two. Summing those
+    fractions, each kept in [-1/2, 1/2], errs by a few 2**-25 turns: |error| < 1e-6 rad.
+    """
+    m = jnp.asarray(_turn_digits(inv_freq)).astype(jnp.float32)  # int constants: never trained
+    p = positions.astype(jnp.int32)[..., None]
+    hi = jnp.right_shift(p, _DIGIT).astype(jnp.float32)  # arithmetic shift: negatives too
+    lo = jnp.bitwise_and(p, 2**_DIGIT - 1).astype(jnp.float32)
+    # p * turns = sum_k (hi * 4096 + lo) * m_k * 4096**-k; hi * m_1 is whole turns. Smallest
+    # first, so that the rounding of the large ones comes last and once.
+    terms = [lo * m[3] * 2.0**-48, hi * m[3] * 2.0**-36, lo * m[2] * 2.0**-36,
+             hi * m[2] * 2.0**-24, lo * m[1] * 2.0**-24, hi * m[1] * 2.0**-12,
+             lo * m[0] * 2.0**-12]
+    turns = jnp.zeros_like(terms[0])
+    for t in terms:
+        turns = turns + (t - jnp.round(t))
+        turns = turns - jnp.round(turns)
+    angle = turns * jnp.float32(2 * math.pi)
+    return jnp.cos(angle), jnp.sin(angle)
+
+
+def rotate(x, cos, sin):
+    """Rotates x [B, S, N, E] by cos, sin [B, S, E/2]; halves convention (as Hugging Face)."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotates x [B, S, N, E] by positions [B, S] and host frequencies `inv_freq` [E/2]."""
+    return rotate(x, *rope_angles(positions, inv_freq))
 
 
 def pick_attention(requested: str, dtype) -> str | None:

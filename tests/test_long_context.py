@@ -7,8 +7,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import max_rel_error
 
-from megatrain_jax.config import RopeScaling
+from megatrain_jax.config import RopeScaling, auto
 from megatrain_jax.model import ops
 
 GiB = 2**30
@@ -52,3 +53,51 @@ def test_rope_angles_are_exact_near_half_a_million_positions():
     expected = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
     rotated = ops.apply_rope(jnp.asarray(x), jnp.asarray(positions[None]), inv)
     np.testing.assert_allclose(rotated, expected, atol=5e-6)
+
+
+# ----- attention ---------------------------------------------------------------------------
+
+def _qkv(b, s, h, k, e, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(keys[0], (b, s, h, e)), jax.random.normal(keys[1], (b, s, k, e)),
+            jax.random.normal(keys[2], (b, s, k, e)), jax.random.normal(keys[3], (b, s, h, e)))
+
+
+def _value_and_vjp(impl, chunk=64):
+    def run(q, k, v, dout, segments):
+        out, vjp = jax.vjp(lambda *a: ops.attention(*a, impl, segments, chunk), q, k, v)
+        return out, vjp(dout)
+    return jax.jit(run)
+
+
+def test_blockwise_attention_equals_xla():
+    """200 tokens in chunks of 64 (the last one padded), two query heads per kv head; row 0
+    packs three segments that attend within themselves only, row 1 is one sequence."""
+    q, k, v, dout = _qkv(2, 200, 4, 2, 16)
+    segments = jnp.stack([jnp.repeat(jnp.arange(1, 4), jnp.array([70, 64, 66]),
+                                     total_repeat_length=200), jnp.ones(200, jnp.int32)])
+    want, want_grads = _value_and_vjp("xla")(q, k, v, dout, segments)
+    got, grads = _value_and_vjp("blockwise")(q, k, v, dout, segments)
+    assert max_rel_error(got, want) <= 1e-5
+    assert max_rel_error(grads, want_grads) <= 1e-5
+
+
+def test_blockwise_attention_never_holds_the_score_matrix():
+    q, k, v, _ = _qkv(1, 2048, 2, 1, 8)
+
+    def temp_bytes(impl):
+        fn = jax.jit(lambda q, k, v: jax.vjp(
+            lambda *a: ops.attention(*a, impl, None, 128), q, k, v)[1](q))
+        return fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+    one_score_matrix = 2 * 2048 * 2048 * 4  # H S S fp32
+    assert temp_bytes("xla") > one_score_matrix
+    assert temp_bytes("blockwise") < one_score_matrix / 16
+
+
+def test_auto_attention_path_by_length():
+    assert auto.attention_path("auto", auto.CUDNN_MAX_SEQ, True, 2) == "cudnn"
+    assert auto.attention_path("auto", auto.CUDNN_MAX_SEQ + 1, True, 2) == "blockwise"
+    assert auto.attention_path("auto", auto.XLA_MAX_SEQ, False, 4) == "xla"
+    assert auto.attention_path("auto", auto.XLA_MAX_SEQ + 1, True, 4) == "blockwise"
+    assert auto.attention_path("xla", 10**6, True, 2) == "xla"

@@ -150,8 +150,13 @@ def embed(p: EmbedParams, tokens, cfg: ModelConfig):
     return jnp.take(p.table, tokens, axis=0).astype(cfg.compute_dtype)
 
 
-def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None):
-    """One pre-norm transformer layer: x [B, S, D] -> x [B, S, D]."""
+def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None, *,
+          attention_chunk: int = 0):
+    """One pre-norm transformer layer: x [B, S, D] -> x [B, S, D].
+
+    `attention_chunk` is the blockwise attention's chunk (0: config/auto.py's); it does not
+    change the result beyond fp32 rounding.
+    """
     dtype = jnp.dtype(cfg.compute_dtype)
     p = _cast(p, dtype)
     b, s, _ = x.shape
@@ -173,9 +178,9 @@ def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None)
         k = ops.rms_norm(k, p.k_norm, cfg.norm_eps)
     cos, sin = ops.rope_angles(positions, rope_frequencies(cfg))
     q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
-    impl = ops.pick_attention(cfg.attention, dtype)
-    attn = ops.attention(q, k, v, impl, segment_ids).reshape(b, s, cfg.heads * e)
-    x = x + jnp.einsum("bsn,nd->bsd", attn, p.wo)
+    impl = ops.pick_attention(cfg.attention, dtype, s)
+    attn = ops.attention(q, k, v, impl, segment_ids, attention_chunk)
+    x = x + jnp.einsum("bsn,nd->bsd", attn.reshape(b, s, cfg.heads * e), p.wo)
 
     h = ops.rms_norm(x, p.mlp_norm, cfg.norm_eps)
     return x + ops.swiglu(h, p.w_gate, p.w_up, p.w_down)
@@ -218,11 +223,13 @@ def logits(params: dict, tokens, cfg: ModelConfig):
     return jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
 
 
-def loss(params: dict, batch: dict, cfg: ModelConfig, denom, chunk: int = 1024):
+def loss(params: dict, batch: dict, cfg: ModelConfig, denom, chunk: int = 1024, *,
+         attention_chunk: int = 0):
     """Whole-model loss: the plain, unstreamed twin of the engine's schedule."""
     x = embed(params["embed"], batch["inputs"], cfg)
     for p in params["layers"]:
-        x = layer(p, x, cfg, batch.get("positions"), batch.get("segment_ids"))
+        x = layer(p, x, cfg, batch.get("positions"), batch.get("segment_ids"),
+                  attention_chunk=attention_chunk)
     embed_params = params["embed"] if cfg.tie_embeddings else None
     return head_loss(params["head"], embed_params, x, batch["targets"], batch["mask"], cfg,
                      denom, chunk)

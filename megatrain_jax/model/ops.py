@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megatrain_jax.config import RopeScaling
+from megatrain_jax.config import RopeScaling, auto
+from megatrain_jax.model import blockwise
 
 
 def rms_norm(x, weight, eps: float):
@@ -97,18 +98,20 @@ def apply_rope(x, positions, inv_freq):
     return rotate(x, *rope_angles(positions, inv_freq))
 
 
-def pick_attention(requested: str, dtype) -> str | None:
-    """`auto`: cuDNN on a GPU with a 16-bit dtype (it needs one), XLA otherwise."""
-    if requested == "xla":
-        return "xla"
-    if requested == "cudnn":
-        return "cudnn"
-    on_gpu = jax.default_backend() == "gpu"
-    return "cudnn" if on_gpu and jnp.dtype(dtype).itemsize == 2 else "xla"
+def pick_attention(requested: str, dtype, seq_len: int = 0) -> str:
+    """What `model.attention=requested` runs here at `seq_len` (config/auto.py's rule)."""
+    return auto.attention_path(requested, seq_len, jax.default_backend() == "gpu",
+                               jnp.dtype(dtype).itemsize)
 
 
-def attention(q, k, v, implementation: str | None, segment_ids=None):
-    """Causal grouped-query attention. q [B, S, H, E], k and v [B, S, K, E], H % K == 0."""
+def attention(q, k, v, implementation: str, segment_ids=None, chunk: int = 0):
+    """Causal grouped-query attention. q [B, S, H, E], k and v [B, S, K, E], H % K == 0.
+
+    `blockwise` runs over chunks of `chunk` tokens (0: config/auto.py's) and never holds
+    [S, S] scores; `xla` and `cudnn` are jax.nn.dot_product_attention's.
+    """
+    if implementation == "blockwise":
+        return blockwise.attention(q, k, v, segment_ids, auto.attention_chunk(chunk, q.shape[1]))
     mask = None
     if segment_ids is not None:  # packed sequences: attend only within one's own segment
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]

@@ -2,14 +2,18 @@
 MLP, a streamed step with both against the plain reference, and the planner's activation
 accounting (CPU, fp32, a width-32 model)."""
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import max_rel_error
+import optax
+import pytest
+from conftest import max_rel_error, tiny
 
-from megatrain_jax.config import RopeScaling, auto
+from megatrain_jax import model, streaming
+from megatrain_jax.config import ConfigError, RopeScaling, auto, load_config
 from megatrain_jax.model import ops
 
 GiB = 2**30
@@ -101,3 +105,102 @@ def test_auto_attention_path_by_length():
     assert auto.attention_path("auto", auto.XLA_MAX_SEQ, False, 4) == "xla"
     assert auto.attention_path("auto", auto.XLA_MAX_SEQ + 1, True, 4) == "blockwise"
     assert auto.attention_path("xla", 10**6, True, 2) == "xla"
+
+
+# ----- the tiled MLP -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mlp_case():
+    p = model.init_layer(tiny().model, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 192, 32))
+    weights = (p.mlp_norm, p.w_gate, p.w_up, p.w_down)
+
+    def run(tile):
+        def f(x, *w):
+            return ops.residual_mlp(x, *w, 1e-5, jnp.float32, tile)
+        out, vjp = jax.vjp(f, x, *weights)
+        return out, vjp(jnp.cos(out))
+
+    return jax.jit(run, static_argnums=0), weights, x
+
+
+def test_tiled_mlp_equals_untiled(mlp_case):
+    run, weights, x = mlp_case
+    want, want_grads = run(0)
+    # 384 tokens in three tiles: a token's arithmetic is the same, but XLA:CPU's matmul may
+    # sum its products in another order for another row count, and weight gradients sum by
+    # tile: equal to fp32 rounding, not bit for bit.
+    exact, exact_grads = run(128)
+    assert max_rel_error(exact, want) <= 1e-6
+    assert max_rel_error(exact_grads, want_grads) <= 1e-6
+    padded, padded_grads = run(80)  # the last of five tiles padded
+    assert max_rel_error(padded, want) <= 1e-6
+    assert max_rel_error(padded_grads, want_grads) <= 1e-6
+    # Tiled means a loop over checkpointed tiles, recomputed in the backward.
+    jaxpr = jax.make_jaxpr(lambda x, *w: ops.residual_mlp(x, *w, 1e-5, jnp.float32, 128))(
+        x, *weights)
+    assert "scan" in {e.primitive.name for e in jaxpr.jaxpr.eqns}
+    assert "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)
+
+
+def test_automatic_mlp_tile():
+    assert auto.mlp_tile(0, auto.MLP_TILE_FROM) == 0
+    assert auto.mlp_tile(0, auto.MLP_TILE_FROM + 1) == auto.MLP_TILE
+    assert auto.mlp_tile(256, 2048) == 256
+    assert auto.mlp_tile(2048, 2048) == 0  # one tile of everything: untiled
+
+
+# ----- a streamed step with both, against the plain reference ------------------------------
+
+def _packed_batch(b, s, vocab):
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (b, s + 1), 0, vocab), np.int32)
+    segments = np.ones((b, s), np.int32)
+    segments[0, 150:400], segments[0, 400:] = 2, 3
+    positions = np.stack([np.arange(s)] * b).astype(np.int32)
+    for start, end in ((150, 400), (400, s)):
+        positions[0, start:end] = np.arange(end - start)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "mask": np.ones((b, s), np.float32), "segment_ids": segments,
+            "positions": positions}
+
+
+def test_streamed_long_sequence_tiled_equals_reference():
+    """2 x 512 packed tokens: the streamed layers run the blockwise attention in chunks of
+    128 and the MLP in tiles of 128; the reference runs XLA's attention, untiled."""
+    cfg = tiny("model.max_seq_len=512", "data.seq_len=512", "data.batch_size=2",
+               "model.attention=blockwise", "stream.mlp_tile=128",
+               "stream.attention_chunk=128")
+    m, s = cfg.model, cfg.stream
+    params = model.init(m, jax.random.key(0))
+    batch = _packed_batch(2, 512, m.vocab_size)
+
+    def layer(p, x, mb):
+        return model.layer(p, x, m, mb["positions"], mb["segment_ids"], mlp_tile=s.mlp_tile,
+                           attention_chunk=s.attention_chunk)
+
+    step = streaming.from_functions(
+        embed=lambda p, mb: model.embed(p, mb["inputs"], m), layer=layer,
+        head_loss=lambda p, x, mb: model.head_loss(p, None, x, mb["targets"], mb["mask"], m,
+                                                   1.0, s.loss_chunk),
+        params=params, optimizer=optax.sgd(1e-3))
+    state = step.init_state()
+    loss, grads, *_ = step.engine.forward_backward(state.params, batch)
+
+    plain = dataclasses.replace(m, attention="xla")
+    denom = float(np.sum(batch["mask"]))
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(
+        lambda p: model.loss(p, batch, plain, denom, s.loss_chunk)))(params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert max_rel_error(grads, ref_grads) <= 1e-5
+
+
+# ----- config and planner ------------------------------------------------------------------
+
+def test_config_takes_long_context_keys():
+    cfg = load_config("7b", ["model.max_seq_len=524288", "data.seq_len=524288",
+                             "model.attention=blockwise", "stream.mlp_tile=4096"])
+    assert cfg.stream.mlp_tile == 4096
+    for bad in ("model.max_seq_len=16777217", "stream.mlp_tile=-1",
+                "stream.attention_chunk=-8"):
+        with pytest.raises(ConfigError):
+            load_config("7b", [bad])

@@ -132,6 +132,7 @@ class StreamConfig:
     host_memory_gb: float = 0.0  # pinned pool; 0: sized from the model
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
     resident_layers: int = 0  # the first K layers' weights and optimizer state stay on the GPU
+    mlp_tile: int = 0  # tokens per MLP tile, recomputed in the backward; 0: auto (config/auto.py)
     attention_chunk: int = 0  # tokens per blockwise attention chunk; 0: auto
 
 
@@ -217,7 +218,8 @@ def validate(cfg: Config) -> Config:
          f"stream.resident_layers ({s.resident_layers}) must be within [0, model.layers = "
          f"{m.layers}]"),
         (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),
-        (s.attention_chunk >= 0, "stream.attention_chunk must be >= 0 (0: automatic)"),
+        (s.mlp_tile >= 0 and s.attention_chunk >= 0,
+         "stream.mlp_tile and stream.attention_chunk must be >= 0 (0: automatic)"),
         (s.update != "host" or cfg.optim.name in HOST_OPTIMIZERS,
          f"stream.update=host has kernels for optim.name {' and '.join(HOST_OPTIMIZERS)}, not "
          f"'{cfg.optim.name}'; use stream.update=device (any Optax transformation) or auto"),

@@ -1,4 +1,5 @@
-"""Building blocks of a Llama-family layer: RMSNorm, rotary embeddings, attention, SwiGLU,
+"""Building blocks of a Llama-family layer: RMSNorm, rotary embeddings exact at long
+positions, attention (XLA, cuDNN or blockwise), a SwiGLU MLP that can run in sequence tiles,
 and a cross-entropy computed in token chunks so that the full logits never exist.
 
 Dims: B batch, S sequence, D hidden, H query heads, K kv heads, E head dim, F ffn, V vocab.
@@ -121,9 +122,38 @@ def attention(q, k, v, implementation: str, segment_ids=None, chunk: int = 0):
 
 
 def swiglu(x, w_gate, w_up, w_down):
-    gate = jnp.einsum("bsd,df->bsf", x, w_gate)
-    up = jnp.einsum("bsd,df->bsf", x, w_up)
-    return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, w_down)
+    gate = jnp.einsum("...d,df->...f", x, w_gate)
+    up = jnp.einsum("...d,df->...f", x, w_up)
+    return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, w_down)
+
+
+def residual_mlp(x, norm, w_gate, w_up, w_down, eps: float, dtype, tile: int = 0):
+    """x + SwiGLU(RMSNorm(x)) of x [B, S, D], the weights cast to `dtype` here.
+
+    With `tile` > 0 the B*S tokens go through in tiles of `tile` (the last one padded), each
+    recomputed in the backward (jax.checkpoint): only one tile's [tile, F] activations ever
+    exist, and a token's arithmetic is the same as untiled. The weights arrive as the fp32
+    masters and are cast inside a tile, so that their gradient sums over tiles in fp32.
+    """
+
+    def block(h, norm, w_gate, w_up, w_down):
+        def cast(w):
+            return w.astype(dtype)
+
+        return h + swiglu(rms_norm(h, cast(norm), eps), cast(w_gate), cast(w_up), cast(w_down))
+
+    weights = (norm, w_gate, w_up, w_down)
+    if not tile:
+        return block(x, *weights)
+    b, s, d = x.shape
+    n = b * s
+    flat = x.reshape(n, d)
+    pad = (-n) % tile
+    if pad:  # zero rows: their norm is 0 * rsqrt(eps), no NaN, and they are cut off below
+        flat = jnp.pad(flat, ((0, pad), (0, 0)))
+    one_tile = jax.checkpoint(lambda t: block(t, *weights))
+    out = jax.lax.map(one_tile, flat.reshape(-1, tile, d))  # n/tile, tile, D
+    return out.reshape(-1, d)[:n].reshape(b, s, d)
 
 
 def chunked_cross_entropy(hidden, out_weight, targets, mask, chunk: int):

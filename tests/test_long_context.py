@@ -15,6 +15,7 @@ from conftest import max_rel_error, tiny
 from megatrain_jax import model, streaming
 from megatrain_jax.config import ConfigError, RopeScaling, auto, load_config
 from megatrain_jax.model import ops
+from megatrain_jax.tools import activations, plan
 
 GiB = 2**30
 LLAMA31 = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
@@ -204,3 +205,36 @@ def test_config_takes_long_context_keys():
                 "stream.attention_chunk=-8"):
         with pytest.raises(ConfigError):
             load_config("7b", [bad])
+
+
+def _long(seq, *more):
+    return load_config("7b", ["data.batch_size=1", f"data.seq_len={seq}",
+                              "model.max_seq_len=524288", *more])
+
+
+def test_working_set_grows_with_the_tile_not_the_sequence():
+    half, full = activations.activations(_long(262144)), activations.activations(_long(524288))
+    assert half["mlp_tile"] == full["mlp_tile"] == auto.MLP_TILE
+    assert half["attention"] == full["attention"] == "blockwise"
+    assert half["working_set"]["mlp_activations"] == full["working_set"]["mlp_activations"]
+    untiled = activations.activations(_long(524288, "stream.mlp_tile=524288"))
+    assert untiled["mlp_tile"] == 0
+    assert untiled["working_set"]["mlp_activations"] == 64 * full["working_set"]["mlp_activations"]
+
+
+@pytest.mark.parametrize("gpu_gib", [40, 90, 120, 140, 200])
+def test_saved_inputs_split_by_gpu_room(gpu_gib):
+    cfg = _long(524288)
+    gpu, per = gpu_gib * GiB, activations.saved_per_layer(cfg)
+    on_gpu, on_host = activations.saved_split(cfg, plan.saved_inputs_room(cfg, gpu))
+    assert on_gpu + on_host == 32 and per == 4 * GiB
+    auto_cfg = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream,
+                                                                   saved_inputs="auto"))
+    est = plan.estimate(auto_cfg, gpu)
+    assert est["host"]["saved_inputs"] == on_host * per
+    if not on_gpu:  # not even the inputs coming back fit beside the layer's work
+        assert est["device_total"] > gpu
+    elif on_host:  # as many as fit: one more layer's inputs on the GPU would not
+        assert est["device_total"] <= gpu < est["device_total"] + per
+    else:
+        assert est["device"]["saved_inputs"] == 32 * per and est["device_total"] <= gpu

@@ -13,6 +13,7 @@ import pytest
 from conftest import max_rel_error, tiny
 
 from megatrain_jax import model, streaming
+from megatrain_jax.cli import main
 from megatrain_jax.config import ConfigError, RopeScaling, auto, load_config
 from megatrain_jax.model import ops
 from megatrain_jax.tools import activations, plan
@@ -238,3 +239,29 @@ def test_saved_inputs_split_by_gpu_room(gpu_gib):
         assert est["device_total"] <= gpu < est["device_total"] + per
     else:
         assert est["device"]["saved_inputs"] == 32 * per and est["device_total"] <= gpu
+
+
+def test_plan_accepts_7b_at_262144_on_the_h200_box(capsys):
+    code = main(["plan", "7b", "data.batch_size=1", "data.seq_len=262144",
+                 "model.max_seq_len=524288", "--host-gb", "125", "--gpu-gb", "140"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for part in ("blockwise in chunks of 1,024 tokens", "tiles of 8,192 tokens",
+                 "2.00 GiB per layer, 64.00 GiB for 32 layers",
+                 "32 layers' inputs on the GPU", "host memory: 125.00 GiB -> fits",
+                 "GPU memory: 140.00 GiB -> fits"):
+        assert part in out, part
+
+
+def test_plan_refuses_7b_at_524288_with_the_numbers(capsys):
+    code = main(["plan", "7b", "data.batch_size=1", "data.seq_len=524288",
+                 "model.max_seq_len=524288", "--host-gb", "125", "--gpu-gb", "140"])
+    err = capsys.readouterr().err
+    assert code == 1
+    # All inputs on the GPU overflow it; split by room, the host's share overflows the host,
+    # which the 7b fp32 state already fills to 119.2 GiB.
+    assert "165.6 GiB of GPU memory" in err and "saved_inputs 128.0" in err
+    assert "23 layers' inputs stay on the GPU and 9 (36.0 GiB)" in err
+    assert "host memory 155.2 GiB of the host's 125.0" in err
+    assert "Changes that fit: data.seq_len=435200" in err
+    plan.check_fits(_long(435200), host=125 * GiB, gpu=140 * GiB)

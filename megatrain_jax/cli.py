@@ -26,6 +26,7 @@ from megatrain_jax.config import (
     shipped_configs,
 )
 from megatrain_jax.io.checkpoint import CheckpointError
+from megatrain_jax.tools import activations
 from megatrain_jax.tools import plan as planner
 
 EPILOG = """\
@@ -33,6 +34,9 @@ CONFIG is a shipped config name (see `megatrain-jax configs`) or a .json/.gin fi
 Overrides are section.key=value, e.g. model.layers=4 optim.lr=1e-4 loop.trainer=reference.
 Sections: model, optim, schedule, data, stream, loop (see README.md for every key).
 """
+
+
+GiB = 2**30
 
 
 def _gib(n: float) -> str:
@@ -75,7 +79,10 @@ def cmd_train(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    est = planner.estimate(cfg)
+    target = args.host_gb is not None or args.gpu_gb is not None  # another machine's sizes
+    host = planner.host_memory_available() if args.host_gb is None else int(args.host_gb * GiB)
+    gpu = planner.gpu_memory_bytes() if args.gpu_gb is None else int(args.gpu_gb * GiB)
+    est = planner.estimate(cfg, gpu)
     print(f"{cfg.model.num_params / 1e9:.2f}B parameters, {cfg.model.layers} layers, "
           f"{cfg.data.tokens_per_step:,} tokens per step, trainer={cfg.loop.trainer}")
     for where in ("host", "device"):
@@ -86,7 +93,8 @@ def cmd_plan(args) -> int:
     if cfg.loop.trainer == "stream":
         print(f"  pinned host pool      {_gib(planner.pinned_pool_bytes(cfg))}  (holds the host "
               "state above; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, set by `train`)")
-    host, gpu = planner.host_memory_available(), planner.gpu_memory_bytes()
+    print("\n".join(activations.describe(cfg, planner.saved_inputs_room(cfg, gpu))))
+    where = "the machine of --host-gb/--gpu-gb" if target else "this machine"
     for name, have, need in (("host", host, est["host_total"]),
                              ("GPU", gpu, est["device_total"])):
         if have is None:
@@ -106,14 +114,15 @@ def cmd_plan(args) -> int:
               f"{_gib(disk['free']).strip()} free -> {verdict}")
     best = planner.largest_fitting(cfg, host, gpu)
     if best is None:
-        print("largest shipped shape that fits this machine: none")
+        print(f"largest shipped shape that fits {where}: none")
     else:
         name, fitting = best
-        e = planner.estimate(fitting)
+        e = planner.estimate(fitting, gpu)
         host_need, gpu_need = _gib(e["host_total"]).strip(), _gib(e["device_total"]).strip()
-        print(f"largest shipped shape that fits this machine: {name} "
+        print(f"largest shipped shape that fits {where}: {name} "
               f"({fitting.model.num_params / 1e9:.2f}B params; host {host_need}, GPU {gpu_need} "
               "at these settings)")
+    verdict = _plan_verdict(cfg, host, gpu) if target else None
     rates = _plan_rates(args, cfg)
     if rates is None:
         print("compute-bound from: needs measured rates; add --measure on the training machine "
@@ -136,7 +145,19 @@ def cmd_plan(args) -> int:
               f"{b['limited_by'].replace('_', ' ')})")
         print(f"compute-bound from about {tokens:,} tokens per step "
               f"(now {cfg.data.tokens_per_step:,})")
+    if verdict:
+        print(f"megatrain-jax: plan: does not fit: {verdict}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _plan_verdict(cfg, host: int | None, gpu: int | None) -> str | None:
+    """Why the run does not fit `host` and `gpu` bytes (with the changes that would), or None."""
+    try:
+        planner.check_fits(cfg, host, gpu)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def _plan_rates(args, cfg):
@@ -223,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="measure link, layer and optimizer rates on two layers of this "
                            "model (starts JAX; seconds to minutes)")
             p.add_argument("--rates", help="take the rates from a bench_step.py JSON instead")
+            p.add_argument("--host-gb", type=float, default=None, metavar="N",
+                           help="plan for a machine with N GiB of host memory instead of this "
+                           "one's; with --host-gb or --gpu-gb the exit status is 0 when the run "
+                           "fits, 1 (and the reason) when it does not")
+            p.add_argument("--gpu-gb", type=float, default=None, metavar="M",
+                           help="plan for a GPU with M GiB of memory instead of this one's")
         p.set_defaults(fn=fn)
     p = sub.add_parser("report", help="plot a run's metrics and timeline (PNG) and summarize",
                        description="Writes loss.png, speed.png, memory.png and timeline.png "

@@ -22,14 +22,32 @@ def test_check_fits_refuses_with_the_numbers():
     cfg = load_config("7b", ["data.batch_size=16", "data.seq_len=1024"])
     with pytest.raises(ConfigError, match=r"needs 119.2 GiB of host memory .* only 64.0 GiB"):
         plan.check_fits(cfg, host=64 * GiB, gpu=80 * GiB)
-    with pytest.raises(ConfigError, match=r"about 18.0 GiB of GPU memory .* the GPU has 16.0 GiB"
-                                          r".*data.micro_batches"):
+    with pytest.raises(ConfigError, match=r"about 18.1 GiB of GPU memory .* the GPU has 16.0 GiB"
+                                          r".*Changes that fit: stream.saved_inputs=pinned_host"):
         plan.check_fits(cfg, host=125 * GiB, gpu=16 * GiB)
     plan.check_fits(cfg, host=125 * GiB, gpu=139 * GiB)  # the H200 machine: fits
-    # Micro-batches shrink the step's workspace: the advice given is one that works.
+    # Micro-batches shrink the step's workspace.
     split = load_config("7b", ["data.batch_size=16", "data.seq_len=1024",
                                "data.micro_batches=4"])
     assert plan.estimate(split)["device_total"] < plan.estimate(cfg)["device_total"]
+
+
+@pytest.mark.parametrize("overrides, host_gib, gpu_gib", [
+    (["data.batch_size=16", "data.seq_len=1024"], 125, 16),
+    (["data.batch_size=16", "data.seq_len=1024"], 125, 17),
+    (["data.batch_size=1", "data.seq_len=524288"], 125, 140),
+    (["data.batch_size=1", "data.seq_len=65536", "stream.saved_inputs=pinned_host"], 125, 140),
+    (["data.batch_size=2", "data.seq_len=16384", "model.attention=xla"], 125, 40),
+])
+def test_every_change_a_refusal_names_fits(overrides, host_gib, gpu_gib):
+    args = ["7b", "model.max_seq_len=524288", *overrides]
+    host, gpu = host_gib * GiB, gpu_gib * GiB
+    with pytest.raises(ConfigError, match="Changes that fit: ") as refused:
+        plan.check_fits(load_config(args[0], args[1:]), host=host, gpu=gpu)
+    changes = str(refused.value).split("Changes that fit: ")[1].rstrip(".").split("; ")
+    assert changes
+    for change in changes:
+        plan.check_fits(load_config(args[0], [*args[1:], change]), host=host, gpu=gpu)
 
 
 @pytest.mark.parametrize("host_gib", [16, 125, 600, 2000])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatrain_jax.config.auto import MAX_POSITION
+
 
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message says which and what would be right."""
@@ -30,6 +32,9 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-family decoder. `head_dim=0` means hidden // heads.
+
+    `attention`: `auto` picks cuDNN, XLA or the blockwise attention by device, dtype and
+    sequence length (config/auto.py); `blockwise` runs over sequence chunks in any case.
 
     `hf_path`: a local Hugging Face model folder to start from; its config.json fixes the
     architecture fields (setting one of them to another value is an error) and its weights
@@ -135,6 +140,8 @@ class StreamConfig:
     # one micro-batch): half their bytes; exact on the CPU, rounded on the GPU, where XLA
     # makes the weight gradients of bf16 matmuls in fp32 (docs/guide.md).
     grad_dtype: str = "float32"
+    mlp_tile: int = 0  # tokens per MLP tile, recomputed in the backward; 0: auto (config/auto.py)
+    attention_chunk: int = 0  # tokens per blockwise attention chunk; 0: auto
 
 
 @dataclass(frozen=True)
@@ -175,7 +182,7 @@ class Config:
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.rope_scaling.kind": ("none", "llama3", "linear"),
     "model.compute_dtype": ("bfloat16", "float32"),
-    "model.attention": ("auto", "xla", "cudnn"),
+    "model.attention": ("auto", "xla", "cudnn", "blockwise"),
     "optim.name": ("adamw", "adam", "lion", "sgd"),
     "schedule.kind": ("cosine", "linear", "constant"),
     "stream.saved_inputs": ("device", "pinned_host"),
@@ -207,6 +214,9 @@ def validate(cfg: Config) -> Config:
         (m.dh % 2 == 0, f"head dim {m.dh} must be even for rotary embeddings"),
         (m.vocab_size > 0, "model.vocab_size must be > 0"),
         (d.batch_size > 0 and d.seq_len > 0, "data.batch_size and data.seq_len must be > 0"),
+        (0 < m.max_seq_len <= MAX_POSITION,
+         f"model.max_seq_len ({m.max_seq_len}) must be within [1, {MAX_POSITION}] (rotary "
+         "angles are exact below 2**24 positions)"),
         (d.seq_len <= m.max_seq_len,
          f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"),
         (d.micro_batches > 0 and d.batch_size % d.micro_batches == 0,
@@ -222,6 +232,8 @@ def validate(cfg: Config) -> Config:
          f"stream.resident_layers ({s.resident_layers}) must be within [0, model.layers = "
          f"{m.layers}]"),
         (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),
+        (s.mlp_tile >= 0 and s.attention_chunk >= 0,
+         "stream.mlp_tile and stream.attention_chunk must be >= 0 (0: automatic)"),
         (s.update != "host" or cfg.optim.name in HOST_OPTIMIZERS,
          f"stream.update=host has kernels for optim.name {' and '.join(HOST_OPTIMIZERS)}, not "
          f"'{cfg.optim.name}'; use stream.update=device (any Optax transformation) or auto"),

@@ -22,7 +22,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.config import ModelConfig
+from megatrain_jax.config import ModelConfig, auto
 from megatrain_jax.model import ops
 
 
@@ -150,36 +150,47 @@ def embed(p: EmbedParams, tokens, cfg: ModelConfig):
     return jnp.take(p.table, tokens, axis=0).astype(cfg.compute_dtype)
 
 
-def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None):
-    """One pre-norm transformer layer: x [B, S, D] -> x [B, S, D]."""
+def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None, *,
+          mlp_tile: int = 0, attention_chunk: int = 0):
+    """One pre-norm transformer layer: x [B, S, D] -> x [B, S, D].
+
+    `mlp_tile` (tokens; `stream.mlp_tile`) runs the MLP and its norm in sequence tiles,
+    recomputed in the backward; `attention_chunk` is the blockwise attention's chunk. Both 0:
+    the automatic rule of config/auto.py for these B*S tokens. Neither changes the result
+    beyond fp32 rounding.
+    """
     dtype = jnp.dtype(cfg.compute_dtype)
-    p = _cast(p, dtype)
+    w = _cast(p, dtype)  # the MLP's weights are cast in residual_mlp; these casts go unused
     b, s, _ = x.shape
     e = cfg.dh
     if positions is None:
         positions = jax.lax.broadcasted_iota(jnp.int32, (b, s), 1)
 
-    h = ops.rms_norm(x, p.attn_norm, cfg.norm_eps)
-    q = jnp.einsum("bsd,dn->bsn", h, p.wq)
-    k = jnp.einsum("bsd,dn->bsn", h, p.wk)
-    v = jnp.einsum("bsd,dn->bsn", h, p.wv)
+    h = ops.rms_norm(x, w.attn_norm, cfg.norm_eps)
+    q = jnp.einsum("bsd,dn->bsn", h, w.wq)
+    k = jnp.einsum("bsd,dn->bsn", h, w.wk)
+    v = jnp.einsum("bsd,dn->bsn", h, w.wv)
     if cfg.qkv_bias:
-        q, k, v = q + p.bq, k + p.bk, v + p.bv
+        q, k, v = q + w.bq, k + w.bk, v + w.bv
     q = q.reshape(b, s, cfg.heads, e)
     k = k.reshape(b, s, cfg.kv_heads, e)
     v = v.reshape(b, s, cfg.kv_heads, e)
     if cfg.qk_norm:
-        q = ops.rms_norm(q, p.q_norm, cfg.norm_eps)
-        k = ops.rms_norm(k, p.k_norm, cfg.norm_eps)
-    inv_freq = ops.rope_frequencies(e, cfg.rope_theta, cfg.rope_scaling)
-    q = ops.apply_rope(q, positions, inv_freq)
-    k = ops.apply_rope(k, positions, inv_freq)
-    impl = ops.pick_attention(cfg.attention, dtype)
-    attn = ops.attention(q, k, v, impl, segment_ids).reshape(b, s, cfg.heads * e)
-    x = x + jnp.einsum("bsn,nd->bsd", attn, p.wo)
+        q = ops.rms_norm(q, w.q_norm, cfg.norm_eps)
+        k = ops.rms_norm(k, w.k_norm, cfg.norm_eps)
+    cos, sin = ops.rope_angles(positions, rope_frequencies(cfg))
+    q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
+    impl = ops.pick_attention(cfg.attention, dtype, s)
+    attn = ops.attention(q, k, v, impl, segment_ids, attention_chunk)
+    x = x + jnp.einsum("bsn,nd->bsd", attn.reshape(b, s, cfg.heads * e), w.wo)
 
-    h = ops.rms_norm(x, p.mlp_norm, cfg.norm_eps)
-    return x + ops.swiglu(h, p.w_gate, p.w_up, p.w_down)
+    tile = auto.mlp_tile(mlp_tile, b * s)
+    return ops.residual_mlp(x, p.mlp_norm, p.w_gate, p.w_up, p.w_down, cfg.norm_eps, dtype, tile)
+
+
+def rope_frequencies(cfg: ModelConfig):
+    """The model's rotary inverse frequencies [E/2], float64 (host, from the config alone)."""
+    return ops.rope_frequencies(cfg.dh, cfg.rope_theta, cfg.rope_scaling)
 
 
 def head_out_weight(head: HeadParams, embed_params: EmbedParams | None):
@@ -214,11 +225,13 @@ def logits(params: dict, tokens, cfg: ModelConfig):
     return jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
 
 
-def loss(params: dict, batch: dict, cfg: ModelConfig, denom, chunk: int = 1024):
+def loss(params: dict, batch: dict, cfg: ModelConfig, denom, chunk: int = 1024, *,
+         mlp_tile: int = 0, attention_chunk: int = 0):
     """Whole-model loss: the plain, unstreamed twin of the engine's schedule."""
     x = embed(params["embed"], batch["inputs"], cfg)
     for p in params["layers"]:
-        x = layer(p, x, cfg, batch.get("positions"), batch.get("segment_ids"))
+        x = layer(p, x, cfg, batch.get("positions"), batch.get("segment_ids"),
+                  mlp_tile=mlp_tile, attention_chunk=attention_chunk)
     embed_params = params["embed"] if cfg.tie_embeddings else None
     return head_loss(params["head"], embed_params, x, batch["targets"], batch["mask"], cfg,
                      denom, chunk)

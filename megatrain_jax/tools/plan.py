@@ -15,8 +15,9 @@ import dataclasses
 import os
 import subprocess
 
-from megatrain_jax.config import Config, ConfigError, load_config, shipped_configs
+from megatrain_jax.config import Config, ConfigError, auto, load_config, shipped_configs
 from megatrain_jax.io import array_files, checkpoint
+from megatrain_jax.tools import activations
 
 GiB = 2**30
 OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
@@ -28,40 +29,45 @@ def _gradient_bytes(cfg: Config) -> float:
     return gradient_bytes(cfg)
 
 
-def estimate(cfg: Config) -> dict:
-    m, d, s = cfg.model, cfg.data, cfg.stream
+def estimate(cfg: Config, gpu: int | None = None) -> dict:
+    """Bytes per component on the host and the device. `gpu` (bytes) is the GPU that
+    `stream.saved_inputs=auto` splits the saved inputs by (None: nvidia-smi's)."""
+    m, s = cfg.model, cfg.stream
     params = m.num_params
     layer = m.params_per_layer
     resident = s.resident_layers * layer  # parameters whose state lives on the GPU
     state_floats = 1 + OPT_STATE_FLOATS[cfg.optim.name]
-    act_bytes = 2 if m.compute_dtype == "bfloat16" else 4
-    saved = m.layers * d.tokens_per_step * m.hidden * act_bytes
-    host = {
-        "master_weights": 4 * (params - resident),
-        "optimizer_state": 4 * OPT_STATE_FLOATS[cfg.optim.name] * (params - resident),
-        "gradients": int(_gradient_bytes(cfg) * (params - resident)),
-        "saved_inputs": saved if s.saved_inputs == "pinned_host" else 0,
-        # Beyond the state: the JAX runtime, allocator rounding and the trainer's own arrays;
-        # measured at 3 B/param on the H200 machine (7B: 19.0 B/param resident, 16 of state).
-        "runtime_overhead": 3 * params,
-    }
+    acts = activations.activations(cfg)
     # On the device: weights in flight (current + prefetched), gradients leaving, the
     # embedding kept for the step, saved inputs, and one micro-batch's layer workspace.
     edge = m.vocab_size * m.hidden * 4
-    micro_tokens = d.tokens_per_step // d.micro_batches
-    workspace = micro_tokens * (6 * m.hidden + 3 * m.ffn) * 4 + min(s.loss_chunk, micro_tokens) \
-        * m.vocab_size * 4 * 2
     device = {
         "weights_in_flight": (s.prefetch_depth + 1) * 4 * max(layer, edge),
         "gradients_in_flight": 2 * 4 * max(layer, edge),
         "embedding": edge,
-        "saved_inputs": saved if s.saved_inputs == "device" else 0,
-        "workspace": workspace,
+        "saved_inputs": 0,
+        "workspace": acts["working_set_total"],
         # Weights, optimizer state and the step's gradients of the resident layers.
         "resident_layers": 4 * (state_floats + 1) * resident,
     }
+    room = None
+    if s.saved_inputs == "auto":
+        gpu = gpu_memory_bytes() if gpu is None else gpu
+        room = None if gpu is None else gpu - sum(device.values())
+    device["saved_inputs"], saved_on_host = activations.saved_bytes(cfg, room)
+    host = {
+        "master_weights": 4 * (params - resident),
+        "optimizer_state": 4 * OPT_STATE_FLOATS[cfg.optim.name] * (params - resident),
+        "gradients": int(_gradient_bytes(cfg) * (params - resident)),
+        "saved_inputs": saved_on_host,
+        # Beyond the state: the JAX runtime, allocator rounding and the trainer's own arrays;
+        # measured at 3 B/param on the H200 machine (7B: 19.0 B/param resident, 16 of state).
+        "runtime_overhead": 3 * params,
+    }
     if cfg.loop.trainer == "reference":
-        device = {"whole_model_state": 16 * params, "workspace": workspace, "saved": saved}
+        saved = m.layers * activations.saved_per_layer(cfg)
+        device = {"whole_model_state": 16 * params, "workspace": acts["working_set_total"],
+                  "saved": saved}
         host = {}
     if cfg.loop.checkpoint_every:
         # A save copies the state held in GPU memory to the host (host state is written from
@@ -71,6 +77,14 @@ def estimate(cfg: Config) -> dict:
             checkpoint.THREADS * array_files.CHUNK
     return {"host": host, "device": device, "host_total": sum(host.values()),
             "device_total": sum(device.values())}
+
+
+def saved_inputs_room(cfg: Config, gpu: int | None) -> int | None:
+    """GPU bytes left for saved layer inputs once everything else of the step is counted."""
+    if gpu is None:
+        return None
+    device = estimate(cfg)["device"]
+    return gpu - sum(n for name, n in device.items() if name != "saved_inputs")
 
 
 def host_memory_available() -> int | None:
@@ -122,25 +136,93 @@ def gpu_memory_bytes() -> int | None:
 
 
 def check_fits(cfg: Config, host: int | None = None, gpu: int | None = None) -> None:
-    """Refuses, with the numbers, a config whose state or step will not fit this machine."""
-    est = estimate(cfg)
+    """Refuses, with the numbers and the changes that would fit, a config whose state or
+    step will not fit this machine (or one of `host` and `gpu` bytes)."""
     host = host_memory_available() if host is None else host
+    gpu = gpu_memory_bytes() if gpu is None else gpu
+    est = estimate(cfg, gpu)
     if host is not None and est["host_total"] > host:
-        raise ConfigError(
+        saved = est["host"]["saved_inputs"]
+        inputs = f"; {saved / GiB:.1f} GiB of it saved layer inputs" if saved else ""
+        message = (
             f"The model needs {est['host_total'] / GiB:.1f} GiB of host memory for its state "
             f"({cfg.model.num_params / 1e9:.2f}B params: fp32 weights, optimizer state and "
-            f"gradients) but only {host / GiB:.1f} GiB is available. Use a smaller model or a "
-            "machine with more RAM (`megatrain-jax plan` shows the largest shape that fits)."
-        )
-    gpu = gpu_memory_bytes() if gpu is None else gpu
-    if gpu is not None and est["device_total"] > gpu:
+            f"gradients{inputs}) but only "
+            f"{host / GiB:.1f} GiB is available. Use a smaller model or a machine with more "
+            "RAM (`megatrain-jax plan` shows the largest shape that fits).")
+    elif gpu is not None and est["device_total"] > gpu:
         parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in est["device"].items() if v)
-        raise ConfigError(
+        message = (
             f"A step needs about {est['device_total'] / GiB:.1f} GiB of GPU memory ({parts} "
-            f"GiB) but the GPU has {gpu / GiB:.1f} GiB. Use data.micro_batches to split the "
-            "batch, stream.saved_inputs=pinned_host, a lower stream.prefetch_depth, fewer "
-            "stream.resident_layers, or fewer tokens per step."
-        )
+            f"GiB) but the GPU has {gpu / GiB:.1f} GiB.{_split_note(cfg, host, gpu)}")
+    else:
+        return
+    changes = fitting_changes(cfg, host, gpu)
+    if changes:
+        message += " Changes that fit: " + "; ".join(changes) + "."
+    elif est["device_total"] > (gpu or est["device_total"]):
+        message += (" No single change fits; what lowers the GPU's share: data.micro_batches, "
+                    "stream.saved_inputs=pinned_host, a lower stream.prefetch_depth, fewer "
+                    "stream.resident_layers, fewer tokens per step.")
+    raise ConfigError(message)
+
+
+def _fits(cfg: Config, host: int | None, gpu: int | None) -> bool:
+    est = estimate(cfg, gpu)
+    return (host is None or est["host_total"] <= host) and \
+        (gpu is None or est["device_total"] <= gpu)
+
+
+def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]:
+    """Single changes of where activations live, how they are tiled, or of the batch's
+    shape, under which cfg fits `host` and `gpu` bytes; each as the override to give."""
+    d, s = cfg.data, cfg.stream
+    tokens = d.batch_size // d.micro_batches * d.seq_len
+    candidates = {}
+    other = {"device": "pinned_host", "pinned_host": "device"}.get(s.saved_inputs)
+    if other:
+        candidates[f"stream.saved_inputs={other}"] = _with(cfg, "stream", saved_inputs=other)
+    if not activations.activations(cfg)["mlp_tile"] and tokens > auto.MLP_TILE:
+        candidates[f"stream.mlp_tile={auto.MLP_TILE}"] = _with(cfg, "stream",
+                                                              mlp_tile=auto.MLP_TILE)
+    if activations.activations(cfg)["attention"] == "xla":
+        candidates["model.attention=blockwise"] = _with(cfg, "model", attention="blockwise")
+    for k in range(d.micro_batches + 1, d.batch_size + 1):
+        if d.batch_size % k == 0 and _fits(_with(cfg, "data", micro_batches=k), host, gpu):
+            candidates[f"data.micro_batches={k}"] = None
+            break
+    fitting = [name for name, c in candidates.items() if c is None or _fits(c, host, gpu)]
+    # The longest sequence (a multiple of 1024) that fits with everything else as it is.
+    low, high = 0, (d.seq_len - 1) // 1024
+    while low < high:
+        mid = (low + high + 1) // 2
+        if _fits(_with(cfg, "data", seq_len=mid * 1024), host, gpu):
+            low = mid
+        else:
+            high = mid - 1
+    if low:
+        fitting.append(f"data.seq_len={low * 1024}")
+    return fitting
+
+
+def _with(cfg: Config, section: str, **values) -> Config:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
+                                                                    **values)})
+
+
+def _split_note(cfg: Config, host: int | None, gpu: int) -> str:
+    """Where stream.saved_inputs=auto would put the inputs, and whether the host holds its
+    share."""
+    if cfg.stream.saved_inputs != "device":
+        return ""
+    on_gpu, on_host = activations.saved_split(cfg, saved_inputs_room(cfg, gpu))
+    if not on_host or not on_gpu:
+        return ""
+    split = estimate(_with(cfg, "stream", saved_inputs="auto"), gpu)
+    verdict = "" if host is None else f" of the host's {host / GiB:.1f}"
+    return (f" Split by GPU room (stream.saved_inputs=auto, to come), {on_gpu} layers' inputs "
+            f"stay on the GPU and {on_host} ({split['host']['saved_inputs'] / GiB:.1f} GiB) "
+            f"go to pinned host: host memory {split['host_total'] / GiB:.1f} GiB{verdict}.")
 
 
 def largest_fitting(cfg: Config, host: int | None, gpu: int | None):

@@ -84,7 +84,8 @@ class ReferenceTrainer:
         denom = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         micro = split_micro_batches(batch, cfg.data.micro_batches)
         grad_fn = jax.value_and_grad(
-            lambda p, mb: model.loss(p, mb, cfg.model, denom, cfg.stream.loss_chunk)
+            lambda p, mb: model.loss(p, mb, cfg.model, denom, cfg.stream.loss_chunk,
+                                     **_tiles(cfg))
         )
 
         def accumulate(carry, mb):
@@ -98,7 +99,8 @@ class ReferenceTrainer:
 
     def _eval_loss_impl(self, params: dict, batch: dict):
         denom = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
-        return model.loss(params, batch, self.cfg.model, denom, self.cfg.stream.loss_chunk)
+        return model.loss(params, batch, self.cfg.model, denom, self.cfg.stream.loss_chunk,
+                          **_tiles(self.cfg))
 
     def eval_loss(self, state: TrainState, batch: dict):
         """The loss of `batch` without a gradient or an update."""
@@ -117,3 +119,8 @@ class ReferenceTrainer:
             "skipped": skip,
         }
         return TrainState(params, opt_state, state.step + 1), metrics
+
+
+def _tiles(cfg) -> dict:
+    """The sequence tiling of the layer's MLP and attention, as the streamed layer uses it."""
+    return {"mlp_tile": cfg.stream.mlp_tile, "attention_chunk": cfg.stream.attention_chunk}

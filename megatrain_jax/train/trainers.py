@@ -27,12 +27,14 @@ from megatrain_jax.train.reference import ReferenceTrainer
 def llama_templates(config: Config) -> Templates:
     """The built-in Llama-family model as engine templates, from a full `Config`."""
     cfg, chunk = config.model, config.stream.loss_chunk
+    tile, chunk_attention = config.stream.mlp_tile, config.stream.attention_chunk
 
     def embed(p, batch):
         return model.embed(p, batch["inputs"], cfg)
 
     def layer(p, x, batch):
-        return model.layer(p, x, cfg, batch.get("positions"), batch.get("segment_ids"))
+        return model.layer(p, x, cfg, batch.get("positions"), batch.get("segment_ids"),
+                           mlp_tile=tile, attention_chunk=chunk_attention)
 
     def head_loss(p, embed_params, x, batch, denom):
         return model.head_loss(p, embed_params, x, batch["targets"], batch["mask"], cfg,

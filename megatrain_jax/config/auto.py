@@ -1,0 +1,58 @@
+"""How the automatic settings for long sequences resolve: which attention a layer runs, how
+its MLP is tiled, and the chunk of the blockwise attention.
+
+Pure Python without JAX, so that the model (when its layer is traced) and the planner (before
+JAX starts) make the same choice from the same numbers:
+
+    attention_path("auto", seq_len=262144, on_gpu=True, dtype_bytes=2)   # -> "blockwise"
+    mlp_tile(0, tokens=262144)                                            # -> 8192
+    attention_chunk(0, seq_len=262144)                                    # -> 1024
+"""
+
+from __future__ import annotations
+
+# cuDNN's fused attention (bf16/fp16 on a GPU) is used up to this length, beyond it the
+# blockwise attention. 7b trained at 1 x 131072 with cuDNN on the H200 (2026-11-23); the
+# longest length cuDNN takes there is still to be measured: raise this when it is.
+CUDNN_MAX_SEQ = 131072
+# XLA's attention holds [rows, H, S, S] fp32 scores and their gradient (at 4096 tokens and
+# 32 heads, 2 GiB a copy): beyond this length `auto` runs the blockwise attention instead.
+XLA_MAX_SEQ = 4096
+# Query and key chunk of the blockwise attention, in tokens (`stream.attention_chunk=0`).
+ATTENTION_CHUNK = 1024
+# The MLP runs in tiles of MLP_TILE tokens when a micro-batch holds more than MLP_TILE_FROM
+# tokens (`stream.mlp_tile=0`). Up to that, the H200 holds the untiled MLP (7b at 1 x 131072
+# peaked at 59.3 GiB) and tiling would only add the MLP's recompute (about a tenth of the
+# step at 32k tokens, less at longer ones where attention dominates).
+MLP_TILE_FROM = 131072
+MLP_TILE = 8192
+# Rotary angles are exact for positions of magnitude below 2**24 (model/ops.py says why).
+MAX_POSITION = 2**24
+
+
+def attention_path(requested: str, seq_len: int, on_gpu: bool, dtype_bytes: int) -> str:
+    """`xla`, `cudnn` or `blockwise`: what `model.attention=requested` runs at `seq_len`.
+
+    `auto`: cuDNN on a GPU with a 16-bit compute dtype (it needs one) up to CUDNN_MAX_SEQ,
+    XLA elsewhere up to XLA_MAX_SEQ; blockwise beyond.
+    """
+    if requested != "auto":
+        return requested
+    if on_gpu and dtype_bytes == 2:
+        return "cudnn" if seq_len <= CUDNN_MAX_SEQ else "blockwise"
+    return "xla" if seq_len <= XLA_MAX_SEQ else "blockwise"
+
+
+def mlp_tile(requested: int, tokens: int) -> int:
+    """Tokens per MLP tile for a micro-batch of `tokens`; 0 when the MLP runs untiled.
+
+    `requested` > 0 is the tile (a tile of at least `tokens` is no tiling); 0 is automatic:
+    MLP_TILE beyond MLP_TILE_FROM tokens, untiled below.
+    """
+    tile = requested or (MLP_TILE if tokens > MLP_TILE_FROM else 0)
+    return tile if 0 < tile < tokens else 0
+
+
+def attention_chunk(requested: int, seq_len: int) -> int:
+    """Tokens per query and key chunk of the blockwise attention at `seq_len`."""
+    return min(requested or ATTENTION_CHUNK, seq_len)

@@ -1,0 +1,267 @@
+"""Long sequences: rotary angles exact far out, the blockwise attention, the sequence-tiled
+MLP, a streamed step with both against the plain reference, and the planner's activation
+accounting (CPU, fp32, a width-32 model)."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import max_rel_error, tiny
+
+from megatrain_jax import model, streaming
+from megatrain_jax.cli import main
+from megatrain_jax.config import ConfigError, RopeScaling, auto, load_config
+from megatrain_jax.model import ops
+from megatrain_jax.tools import activations, plan
+
+GiB = 2**30
+LLAMA31 = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+
+
+# ----- rotary embeddings -------------------------------------------------------------------
+
+def _reference_frequencies(head_dim, theta, s):
+    """Llama 3.1's frequencies, written out element by element in float64."""
+    out = []
+    for i in range(0, head_dim, 2):
+        f = 1.0 / math.pow(theta, i / head_dim)
+        wavelen = 2 * math.pi / f
+        if wavelen > s.original_max_position / s.low_freq_factor:
+            f = f / s.factor
+        elif wavelen >= s.original_max_position / s.high_freq_factor:
+            smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor)
+            f = (1 - smooth) * f / s.factor + smooth * f
+        out.append(f)
+    return np.array(out)
+
+
+def test_rope_angles_are_exact_near_half_a_million_positions():
+    inv = ops.rope_frequencies(128, 500000.0, LLAMA31)
+    np.testing.assert_allclose(inv, _reference_frequencies(128, 500000.0, LLAMA31), rtol=1e-15)
+    positions = np.concatenate([np.arange(524287 - 255, 524288), [2**24 - 1, -524287, 0, 1]])
+    cos, sin = jax.jit(ops.rope_angles, static_argnums=1)(
+        jnp.asarray(positions[None], jnp.int32), tuple(inv))
+    angles = positions[None, :, None].astype(np.float64) * inv  # float64 throughout
+    assert np.max(np.abs(np.asarray(cos) - np.cos(angles))) < 1e-6
+    assert np.max(np.abs(np.asarray(sin) - np.sin(angles))) < 1e-6
+    # The plain fp32 product misses by far more at these positions: the test can tell.
+    naive = positions[None, :, None].astype(np.float32) * inv.astype(np.float32)
+    assert np.max(np.abs(np.cos(naive.astype(np.float64)) - np.cos(angles))) > 1e-3
+    # Rotating a vector: as float64 does it, to fp32 rounding.
+    x = np.asarray(jax.random.normal(jax.random.key(0), (1, positions.size, 2, 128)))
+    x1, x2 = x[..., :64], x[..., 64:]
+    c, s = np.cos(angles)[:, :, None], np.sin(angles)[:, :, None]
+    expected = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    rotated = ops.apply_rope(jnp.asarray(x), jnp.asarray(positions[None]), inv)
+    np.testing.assert_allclose(rotated, expected, atol=5e-6)
+
+
+# ----- attention ---------------------------------------------------------------------------
+
+def _qkv(b, s, h, k, e, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(keys[0], (b, s, h, e)), jax.random.normal(keys[1], (b, s, k, e)),
+            jax.random.normal(keys[2], (b, s, k, e)), jax.random.normal(keys[3], (b, s, h, e)))
+
+
+def _value_and_vjp(impl, chunk=64):
+    def run(q, k, v, dout, segments):
+        out, vjp = jax.vjp(lambda *a: ops.attention(*a, impl, segments, chunk), q, k, v)
+        return out, vjp(dout)
+    return jax.jit(run)
+
+
+def test_blockwise_attention_equals_xla():
+    """200 tokens in chunks of 64 (the last one padded), two query heads per kv head; row 0
+    packs three segments that attend within themselves only, row 1 is one sequence."""
+    q, k, v, dout = _qkv(2, 200, 4, 2, 16)
+    segments = jnp.stack([jnp.repeat(jnp.arange(1, 4), jnp.array([70, 64, 66]),
+                                     total_repeat_length=200), jnp.ones(200, jnp.int32)])
+    want, want_grads = _value_and_vjp("xla")(q, k, v, dout, segments)
+    got, grads = _value_and_vjp("blockwise")(q, k, v, dout, segments)
+    assert max_rel_error(got, want) <= 1e-5
+    assert max_rel_error(grads, want_grads) <= 1e-5
+
+
+def test_blockwise_attention_never_holds_the_score_matrix():
+    q, k, v, _ = _qkv(1, 2048, 2, 1, 8)
+
+    def temp_bytes(impl):
+        fn = jax.jit(lambda q, k, v: jax.vjp(
+            lambda *a: ops.attention(*a, impl, None, 128), q, k, v)[1](q))
+        return fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+    one_score_matrix = 2 * 2048 * 2048 * 4  # H S S fp32
+    assert temp_bytes("xla") > one_score_matrix
+    assert temp_bytes("blockwise") < one_score_matrix / 16
+
+
+def test_auto_attention_path_by_length():
+    assert auto.attention_path("auto", auto.CUDNN_MAX_SEQ, True, 2) == "cudnn"
+    assert auto.attention_path("auto", auto.CUDNN_MAX_SEQ + 1, True, 2) == "blockwise"
+    assert auto.attention_path("auto", auto.XLA_MAX_SEQ, False, 4) == "xla"
+    assert auto.attention_path("auto", auto.XLA_MAX_SEQ + 1, True, 4) == "blockwise"
+    assert auto.attention_path("xla", 10**6, True, 2) == "xla"
+
+
+# ----- the tiled MLP -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mlp_case():
+    p = model.init_layer(tiny().model, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 192, 32))
+    weights = (p.mlp_norm, p.w_gate, p.w_up, p.w_down)
+
+    def run(tile):
+        def f(x, *w):
+            return ops.residual_mlp(x, *w, 1e-5, jnp.float32, tile)
+        out, vjp = jax.vjp(f, x, *weights)
+        return out, vjp(jnp.cos(out))
+
+    return jax.jit(run, static_argnums=0), weights, x
+
+
+def test_tiled_mlp_equals_untiled(mlp_case):
+    run, weights, x = mlp_case
+    want, want_grads = run(0)
+    # 384 tokens in three tiles: a token's arithmetic is the same, but XLA:CPU's matmul may
+    # sum its products in another order for another row count, and weight gradients sum by
+    # tile: equal to fp32 rounding, not bit for bit.
+    exact, exact_grads = run(128)
+    assert max_rel_error(exact, want) <= 1e-6
+    assert max_rel_error(exact_grads, want_grads) <= 1e-6
+    padded, padded_grads = run(80)  # the last of five tiles padded
+    assert max_rel_error(padded, want) <= 1e-6
+    assert max_rel_error(padded_grads, want_grads) <= 1e-6
+    # Tiled means a loop over checkpointed tiles, recomputed in the backward.
+    jaxpr = jax.make_jaxpr(lambda x, *w: ops.residual_mlp(x, *w, 1e-5, jnp.float32, 128))(
+        x, *weights)
+    assert "scan" in {e.primitive.name for e in jaxpr.jaxpr.eqns}
+    assert "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)
+
+
+def test_automatic_mlp_tile():
+    assert auto.mlp_tile(0, auto.MLP_TILE_FROM) == 0
+    assert auto.mlp_tile(0, auto.MLP_TILE_FROM + 1) == auto.MLP_TILE
+    assert auto.mlp_tile(256, 2048) == 256
+    assert auto.mlp_tile(2048, 2048) == 0  # one tile of everything: untiled
+
+
+# ----- a streamed step with both, against the plain reference ------------------------------
+
+def _packed_batch(b, s, vocab):
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (b, s + 1), 0, vocab), np.int32)
+    segments = np.ones((b, s), np.int32)
+    segments[0, 150:400], segments[0, 400:] = 2, 3
+    positions = np.stack([np.arange(s)] * b).astype(np.int32)
+    for start, end in ((150, 400), (400, s)):
+        positions[0, start:end] = np.arange(end - start)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "mask": np.ones((b, s), np.float32), "segment_ids": segments,
+            "positions": positions}
+
+
+def test_streamed_long_sequence_tiled_equals_reference():
+    """2 x 512 packed tokens: the streamed layers run the blockwise attention in chunks of
+    128 and the MLP in tiles of 128; the reference runs XLA's attention, untiled."""
+    cfg = tiny("model.max_seq_len=512", "data.seq_len=512", "data.batch_size=2",
+               "model.attention=blockwise", "stream.mlp_tile=128",
+               "stream.attention_chunk=128")
+    m, s = cfg.model, cfg.stream
+    params = model.init(m, jax.random.key(0))
+    batch = _packed_batch(2, 512, m.vocab_size)
+
+    def layer(p, x, mb):
+        return model.layer(p, x, m, mb["positions"], mb["segment_ids"], mlp_tile=s.mlp_tile,
+                           attention_chunk=s.attention_chunk)
+
+    step = streaming.from_functions(
+        embed=lambda p, mb: model.embed(p, mb["inputs"], m), layer=layer,
+        head_loss=lambda p, x, mb: model.head_loss(p, None, x, mb["targets"], mb["mask"], m,
+                                                   1.0, s.loss_chunk),
+        params=params, optimizer=optax.sgd(1e-3))
+    state = step.init_state()
+    loss, grads, *_ = step.engine.forward_backward(state.params, batch)
+
+    plain = dataclasses.replace(m, attention="xla")
+    denom = float(np.sum(batch["mask"]))
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(
+        lambda p: model.loss(p, batch, plain, denom, s.loss_chunk)))(params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert max_rel_error(grads, ref_grads) <= 1e-5
+
+
+# ----- config and planner ------------------------------------------------------------------
+
+def test_config_takes_long_context_keys():
+    cfg = load_config("7b", ["model.max_seq_len=524288", "data.seq_len=524288",
+                             "model.attention=blockwise", "stream.mlp_tile=4096"])
+    assert cfg.stream.mlp_tile == 4096
+    for bad in ("model.max_seq_len=16777217", "stream.mlp_tile=-1",
+                "stream.attention_chunk=-8"):
+        with pytest.raises(ConfigError):
+            load_config("7b", [bad])
+
+
+def _long(seq, *more):
+    return load_config("7b", ["data.batch_size=1", f"data.seq_len={seq}",
+                              "model.max_seq_len=524288", *more])
+
+
+def test_working_set_grows_with_the_tile_not_the_sequence():
+    half, full = activations.activations(_long(262144)), activations.activations(_long(524288))
+    assert half["mlp_tile"] == full["mlp_tile"] == auto.MLP_TILE
+    assert half["attention"] == full["attention"] == "blockwise"
+    assert half["working_set"]["mlp_activations"] == full["working_set"]["mlp_activations"]
+    untiled = activations.activations(_long(524288, "stream.mlp_tile=524288"))
+    assert untiled["mlp_tile"] == 0
+    assert untiled["working_set"]["mlp_activations"] == 64 * full["working_set"]["mlp_activations"]
+
+
+@pytest.mark.parametrize("gpu_gib", [40, 90, 120, 140, 200])
+def test_saved_inputs_split_by_gpu_room(gpu_gib):
+    cfg = _long(524288)
+    gpu, per = gpu_gib * GiB, activations.saved_per_layer(cfg)
+    on_gpu, on_host = activations.saved_split(cfg, plan.saved_inputs_room(cfg, gpu))
+    assert on_gpu + on_host == 32 and per == 4 * GiB
+    auto_cfg = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream,
+                                                                   saved_inputs="auto"))
+    est = plan.estimate(auto_cfg, gpu)
+    assert est["host"]["saved_inputs"] == on_host * per
+    if not on_gpu:  # not even the inputs coming back fit beside the layer's work
+        assert est["device_total"] > gpu
+    elif on_host:  # as many as fit: one more layer's inputs on the GPU would not
+        assert est["device_total"] <= gpu < est["device_total"] + per
+    else:
+        assert est["device"]["saved_inputs"] == 32 * per and est["device_total"] <= gpu
+
+
+def test_plan_accepts_7b_at_262144_on_the_h200_box(capsys):
+    code = main(["plan", "7b", "data.batch_size=1", "data.seq_len=262144",
+                 "model.max_seq_len=524288", "--host-gb", "125", "--gpu-gb", "140"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for part in ("blockwise in chunks of 1,024 tokens", "tiles of 8,192 tokens",
+                 "2.00 GiB per layer, 64.00 GiB for 32 layers",
+                 "32 layers' inputs on the GPU", "host memory: 125.00 GiB -> fits",
+                 "GPU memory: 140.00 GiB -> fits"):
+        assert part in out, part
+
+
+def test_plan_refuses_7b_at_524288_with_the_numbers(capsys):
+    code = main(["plan", "7b", "data.batch_size=1", "data.seq_len=524288",
+                 "model.max_seq_len=524288", "--host-gb", "125", "--gpu-gb", "140"])
+    err = capsys.readouterr().err
+    assert code == 1
+    # All inputs on the GPU overflow it; split by room, the host's share overflows the host,
+    # which the 7b fp32 state already fills to 119.2 GiB.
+    assert "165.6 GiB of GPU memory" in err and "saved_inputs 128.0" in err
+    assert "23 layers' inputs stay on the GPU and 9 (36.0 GiB)" in err
+    assert "host memory 155.2 GiB of the host's 125.0" in err
+    assert "Changes that fit: data.seq_len=435200" in err
+    plan.check_fits(_long(435200), host=125 * GiB, gpu=140 * GiB)

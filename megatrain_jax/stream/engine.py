@@ -148,7 +148,7 @@ class StreamEngine:
         if self.host_optimizer is not None:
             guess = policy(self.speculate, self.clip_norm, state.last_grad_norm)
             update = StepUpdate(self.host_optimizer, self.clip_norm, guess, tracer, before_write)
-            on_gradient = self._guesser(state, update)
+            on_gradient = self._guesser(state, update) if guess else None
         loss, grads, sq, skip, scale = self.forward_backward(state._params, batch,
                                                              state.pending, tracer, on_gradient)
         state.wait()

@@ -18,15 +18,10 @@ import subprocess
 from megatrain_jax.config import Config, ConfigError, auto, load_config, shipped_configs
 from megatrain_jax.io import array_files, checkpoint
 from megatrain_jax.tools import activations
+from megatrain_jax.tools.roofline import gradient_bytes  # plain arithmetic, no JAX
 
 GiB = 2**30
 OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
-
-
-def _gradient_bytes(cfg: Config) -> float:
-    from megatrain_jax.tools.roofline import gradient_bytes  # no JAX: plain arithmetic
-
-    return gradient_bytes(cfg)
 
 
 def estimate(cfg: Config, gpu: int | None = None) -> dict:
@@ -58,7 +53,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     host = {
         "master_weights": 4 * (params - resident),
         "optimizer_state": 4 * OPT_STATE_FLOATS[cfg.optim.name] * (params - resident),
-        "gradients": int(_gradient_bytes(cfg) * (params - resident)),
+        "gradients": int(gradient_bytes(cfg) * (params - resident)),
         "saved_inputs": saved_on_host,
         # Beyond the state: the JAX runtime, allocator rounding and the trainer's own arrays;
         # measured at 3 B/param on the H200 machine (7B: 19.0 B/param resident, 16 of state).

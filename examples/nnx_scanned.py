@@ -1,6 +1,7 @@
 """Train an NNX language model written the usual scanned way, then use it as usual.
 
     python examples/nnx_scanned.py --steps 20
+    python examples/nnx_scanned.py --devices 4   # data parallel over 4 devices
 
 The blocks are one stacked module, made with `nnx.vmap` (each parameter gains a leading layer
 axis) and applied with `nnx.scan`, as deep Flax models usually are. `from_nnx_model` slices
@@ -79,12 +80,13 @@ def batches(batch_size: int = 4, seed: int = 0):
                "mask": np.ones((batch_size, SEQ), np.float32)}
 
 
-def main(steps: int = 20, clip_norm: float = 1.0):
+def main(steps: int = 20, clip_norm: float = 1.0, devices: int = 1):
     """Trains, puts the weights back into the model and evaluates it the model's own way.
     Returns (model, step, state, metrics of each step) for a caller to look at."""
     model = Model(nnx.Rngs(0))
     step = streaming.from_nnx_model(model, summed_loss, optimizer(), clip_norm=clip_norm,
-                                    embed="embed", blocks="blocks", head=("norm", "lm_head"))
+                                    embed="embed", blocks="blocks", head=("norm", "lm_head"),
+                                    mesh=streaming.make_mesh(devices))
     state = step.init_state()
     history = []
     for _, batch in zip(range(steps), batches()):
@@ -102,4 +104,7 @@ def main(steps: int = 20, clip_norm: float = 1.0):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
-    main(parser.parse_args().steps)
+    parser.add_argument("--devices", type=int, default=1,
+                        help="devices to run data parallel over (the batch's 4 rows split)")
+    args = parser.parse_args()
+    main(args.steps, devices=args.devices)

@@ -21,6 +21,7 @@ from megatrain_jax.config.schema import (
     ConfigError,
     DataConfig,
     LoopConfig,
+    MeshConfig,
     ModelConfig,
     OptimConfig,
     RopeScaling,
@@ -30,7 +31,7 @@ from megatrain_jax.config.schema import (
 )
 
 __all__ = [
-    "CHOICES", "HOST_OPTIMIZERS", "Config", "ConfigError", "DataConfig", "LoopConfig",
+    "CHOICES", "HOST_OPTIMIZERS", "Config", "ConfigError", "DataConfig", "LoopConfig", "MeshConfig",
     "ModelConfig", "OptimConfig", "RopeScaling", "ScheduleConfig", "StreamConfig",
     "apply_overrides", "from_dict", "load_config", "load_run_config", "resolve_config_path",
     "save_config", "shipped_configs", "to_dict", "validate",

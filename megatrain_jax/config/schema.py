@@ -145,6 +145,15 @@ class StreamConfig:
 
 
 @dataclass(frozen=True)
+class MeshConfig:
+    """Data parallelism over several devices (docs/guide.md, "Several GPUs"): each
+    micro-batch's rows split over `data` devices, the host state kept once and sharded over
+    them. 0: every device of every process; 1: one device, as without a mesh."""
+
+    data: int = 0
+
+
+@dataclass(frozen=True)
 class LoopConfig:
     """The training loop around `train_step`."""
 
@@ -175,6 +184,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
 
 
@@ -237,6 +247,7 @@ def validate(cfg: Config) -> Config:
         (s.update != "host" or cfg.optim.name in HOST_OPTIMIZERS,
          f"stream.update=host has kernels for optim.name {' and '.join(HOST_OPTIMIZERS)}, not "
          f"'{cfg.optim.name}'; use stream.update=device (any Optax transformation) or auto"),
+        (cfg.mesh.data >= 0, "mesh.data must be >= 0 (0: every device)"),
         (cfg.loop.steps > 0, "loop.steps must be > 0"),
         (cfg.loop.checkpoint_every >= 0, "loop.checkpoint_every must be >= 0 (0: none)"),
         (cfg.loop.keep_checkpoints >= 1, "loop.keep_checkpoints must be >= 1"),

@@ -68,6 +68,23 @@ def host_bytes(array) -> np.ndarray:
     return byte_view(np.ascontiguousarray(host))
 
 
+def host_pieces(array) -> list[np.ndarray]:
+    """The bytes of a JAX array, whole and in row-major order, as flat uint8 pieces: one, or
+    one per shard of an array split over devices along its first dimension (each a view as
+    `host_bytes` makes it). A copy of a device being the same as another's, it is read once."""
+    if not array.is_fully_addressable:
+        raise ValueError("an array with shards in other processes cannot be written by one")
+    shards = {}
+    for shard in array.addressable_shards:
+        shards.setdefault(tuple((s.start or 0) for s in shard.index), shard.data)
+    if len(shards) == 1:
+        return [host_bytes(next(iter(shards.values())))]
+    if all(data.shape[1:] == array.shape[1:] and data.nbytes % 8 == 0  # checksum words
+           for data in shards.values()):
+        return [host_bytes(shards[start]) for start in sorted(shards)]
+    return [byte_view(np.ascontiguousarray(np.asarray(array)))]
+
+
 def drop_cache(fd: int) -> None:
     """Drops a file's pages from the page cache (where the system can: Linux)."""
     if hasattr(os, "posix_fadvise"):
@@ -98,18 +115,19 @@ def sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def write_array(path: Path, data: np.ndarray, dtype) -> str:
-    """Writes `data` (uint8) to a new file, synced; returns its checksum. Stops with NonFinite
-    at the first chunk that holds inf or NaN."""
+def write_array(path: Path, data: np.ndarray | list[np.ndarray], dtype) -> str:
+    """Writes `data` (uint8, or pieces of it in order) to a new file, synced; returns its
+    checksum. Stops with NonFinite at the first chunk that holds inf or NaN."""
     checksum = Checksum(dtype)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        for start in range(0, data.size, CHUNK):
-            chunk = data[start:start + CHUNK]
-            checksum.update(chunk)
-            if checksum.nonfinite:
-                raise NonFinite()
-            write_all(fd, memoryview(chunk))
+        for piece in data if isinstance(data, list) else [data]:
+            for start in range(0, piece.size, CHUNK):
+                chunk = piece[start:start + CHUNK]
+                checksum.update(chunk)
+                if checksum.nonfinite:
+                    raise NonFinite()
+                write_all(fd, memoryview(chunk))
         os.fsync(fd)
         drop_cache(fd)
     except OSError as e:

@@ -143,7 +143,7 @@ class Checkpointer:
             name = f"{len(names)}.{name}" if name in names else name
             names.add(name)
             sources.append((jax.tree_util.keystr(path), name, array,
-                            array_files.host_bytes(array)))
+                            array_files.host_pieces(array)))
         self._written = threading.Event()
         self._job = self._runner.submit(self._save, step, sources, meta, self._written)
 
@@ -181,7 +181,8 @@ class Checkpointer:
             except NonFinite:
                 raise NonFinite(name[:-len(".bin")]) from None
             return {"key": key, "file": name, "shape": list(array.shape),
-                    "dtype": np.dtype(array.dtype).name, "bytes": int(data.size),
+                    "dtype": np.dtype(array.dtype).name,
+                    "bytes": sum(int(piece.size) for piece in data),
                     "checksum": checksum}
 
         def verify(entry: dict) -> None:

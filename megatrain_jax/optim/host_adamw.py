@@ -54,6 +54,17 @@ def writable(array: jax.Array) -> np.ndarray:
     return np.ctypeslib.as_array(raw).reshape(-1)
 
 
+def shard_views(array: jax.Array) -> list[np.ndarray]:
+    """`writable` views of this process's shards of a host array, in its devices' order (one
+    view for an array on one device). A leaf split over a mesh has one shard per device; a
+    leaf kept whole on every device has a copy per device, each updated alike."""
+    return [writable(shard.data) for shard in array.addressable_shards]
+
+
+def shard_index(array: jax.Array) -> list:
+    return [shard.index for shard in array.addressable_shards]
+
+
 # ----- kernels: p, mu, nu are flat fp32 views, g fp32 or bf16 bits (uint16); every scalar
 # an np.float32 -----------------------------------------------------------------------------
 
@@ -184,14 +195,14 @@ class HostAdamW:
 
     def _apply(self, params, grads, opt_state, scale: float, undo: bool) -> None:
         adam, schedule = opt_state[0], opt_state[-1]
-        counts = writable(adam.count), writable(schedule.count)
+        adam_counts, step_counts = shard_views(adam.count), shard_views(schedule.count)
         if undo:  # back to the counts the step started from: the same scalars follow
-            counts[0][0] -= 1
-            counts[1][0] -= 1
-        step = int(counts[1][0])
+            for count in adam_counts + step_counts:
+                count[0] -= 1
+        step = int(step_counts[0][0])
         f = np.float32
         b1, b2 = f(self.b1), f(self.b2)
-        t = int(counts[0][0]) + 1
+        t = int(adam_counts[0][0]) + 1
         args = (f(scale), b1, f(1 - self.b1), b2, f(1 - self.b2), f(self.eps),
                 f(1) - b1 ** f(t), f(1) - b2 ** f(t), -self._lr(step))
         decays = (jax.tree.leaves(self.mask(params)) if self.mask and self.weight_decay
@@ -200,13 +211,18 @@ class HostAdamW:
                      jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu), decays)
         for p, g, mu, nu, decay in leaves:
             wd = f(self.weight_decay if decay else 0.0)
-            views = (writable(p), writable(g), writable(mu), writable(nu))
-            if undo:
-                self._undo(*views, *args, wd)
-            elif self._numba is not None:
-                self._numba(*views, *args, wd)
-            else:
-                _adamw_numpy(*views, *args, wd, pool=self._pool)
+            if not shard_index(p) == shard_index(g) == shard_index(mu) == shard_index(nu):
+                raise ValueError(f"a leaf's parameter, gradient and moments are split "
+                                 f"differently: {[shard_index(a) for a in (p, g, mu, nu)]}")
+            for views in zip(*map(shard_views, (p, g, mu, nu))):
+                if undo:
+                    self._undo(*views, *args, wd)
+                elif self._numba is not None:
+                    self._numba(*views, *args, wd)
+                else:
+                    _adamw_numpy(*views, *args, wd, pool=self._pool)
         if not undo:
-            counts[0][0] = min(t, np.iinfo(np.int32).max)
-            counts[1][0] = min(step + 1, np.iinfo(np.int32).max)
+            for count in adam_counts:
+                count[0] = min(t, np.iinfo(np.int32).max)
+            for count in step_counts:
+                count[0] = min(step + 1, np.iinfo(np.int32).max)

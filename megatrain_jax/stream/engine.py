@@ -31,10 +31,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from megatrain_jax.optim import HostAdamW
-from megatrain_jax.stream.placement import Placement, from_parts, part_names, parts
+from megatrain_jax.stream.mesh import shard_templates
+from megatrain_jax.stream.placement import DEVICE_KIND, Placement, from_parts, part_names, parts
 from megatrain_jax.stream.programs import Templates, build_programs
 from megatrain_jax.stream.schedule import Schedule
 from megatrain_jax.stream.speculation import MODES, StepUpdate, policy
@@ -80,9 +83,12 @@ class StreamEngine:
                  clip_norm: float = 1.0, prefetch_depth: int = 2,
                  saved_inputs: str = "device", micro_batches: int = 1,
                  learning_rate: Callable | None = None, device: jax.Device | None = None,
-                 resident_layers: int = 0, speculate: str = "off"):
+                 resident_layers: int = 0, speculate: str = "off", mesh: Mesh | None = None):
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, got {speculate!r}")
+        self.placement = Placement(resident_layers, device, saved_inputs, mesh)
+        if self.placement.mesh is not None:
+            templates = shard_templates(templates, self.placement.mesh)
         self.templates = templates
         self.clip_norm, self.speculate = clip_norm, speculate
         # A HostAdamW updates in place on the host; any other transformation on the device.
@@ -90,7 +96,6 @@ class StreamEngine:
         self.optimizer = optimizer.optax if self.host_optimizer else optimizer
         self.micro_batches = micro_batches
         self.learning_rate = learning_rate
-        self.placement = Placement(resident_layers, device, saved_inputs)
         self.programs = build_programs(templates, self.optimizer, clip_norm, self.placement)
         self.schedule = Schedule(self.programs, self.placement, prefetch_depth)
 
@@ -118,6 +123,8 @@ class StreamEngine:
 
     def device_batch(self, batch: dict):
         """The batch on the device, split into micro-batches, and the loss's denominator."""
+        if self.placement.mesh is not None:
+            return self._mesh_batch(batch)
         batch = self.placement.to_device(batch)
         m = self.micro_batches
         for name, a in batch.items():
@@ -127,6 +134,22 @@ class StreamEngine:
         normalizer = self.templates.normalizer or (lambda b: jnp.sum(b["mask"]))
         denom = jnp.maximum(normalizer(batch), 1.0)
         return {k: a.reshape(m, a.shape[0] // m, *a.shape[1:]) for k, a in batch.items()}, denom
+
+    def _mesh_batch(self, batch: dict):
+        """device_batch over a mesh: each micro-batch's rows split over the devices. Every
+        process passes the whole batch and places the rows of its own devices."""
+        m, n = self.micro_batches, self.placement.devices
+        host = {name: np.asarray(a) for name, a in batch.items()}
+        for name, a in host.items():
+            if a.shape[0] % (m * n):
+                raise ValueError(
+                    f"batch['{name}'] has {a.shape[0]} rows, which do not split into {m} "
+                    f"micro-batches over {n} devices: make the batch size a multiple of "
+                    f"{m * n} (data.batch_size), or use fewer devices (mesh.data)")
+        normalizer = self.templates.normalizer or (lambda b: jnp.sum(b["mask"]))
+        denom = np.asarray(jnp.maximum(normalizer(host), 1.0))
+        micro = {k: a.reshape(m, a.shape[0] // m, *a.shape[1:]) for k, a in host.items()}
+        return self.placement.place_batch(micro), self.placement.place(denom, DEVICE_KIND)
 
     def eval_loss(self, params: dict, batch: dict):
         """The loss of `batch` from a streamed forward pass alone: no gradient, no update."""

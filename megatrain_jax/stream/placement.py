@@ -19,7 +19,11 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-from jax.sharding import SingleDeviceSharding
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
+
+from megatrain_jax.stream.mesh import MICRO_ROWS, state_spec
 
 HOST_KIND = "pinned_host"
 DEVICE_KIND = "device"
@@ -51,16 +55,26 @@ def memory_kinds(tree) -> set[str]:
 
 
 def placed_shapes(tree, sharding) -> object:
-    """ShapeDtypeStructs of `tree`'s leaves with `sharding`: a target to restore into."""
+    """ShapeDtypeStructs of `tree`'s leaves with `sharding` (one, or a tree of them): a target
+    to restore into."""
+    if not isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            tree, sharding)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                         tree)
 
 
 class Placement:
-    """One device's two memory kinds, the home of each part, and the moves between them."""
+    """The devices' two memory kinds, the home of each part, and the moves between them.
+
+    On one device every array is whole on it. With a `mesh` of N devices (stream/mesh.py),
+    each state leaf is split into N shards along one dimension, in both memory kinds, and a
+    batch's rows are split over the devices; moves keep an array's split and change only its
+    memory kind.
+    """
 
     def __init__(self, resident_layers: int = 0, device: jax.Device | None = None,
-                 saved_inputs: str = DEVICE_KIND):
+                 saved_inputs: str = DEVICE_KIND, mesh: Mesh | None = None):
         if resident_layers < 0:
             raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
         if saved_inputs not in (DEVICE_KIND, HOST_KIND):
@@ -70,9 +84,33 @@ class Placement:
         # Where the layer inputs saved for the backward wait: the GPU, or pinned host memory
         # (fetched back ahead of need, like the weights) when the GPU is short of room.
         self.offload_inputs = saved_inputs == HOST_KIND
-        self.device = device or jax.devices()[0]
-        self.host_sharding = SingleDeviceSharding(self.device, memory_kind=HOST_KIND)
-        self.device_sharding = SingleDeviceSharding(self.device, memory_kind=DEVICE_KIND)
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        self.devices = 1 if self.mesh is None else self.mesh.size
+        self.device = (self.mesh.devices.flat[0] if self.mesh is not None
+                       else device or jax.devices()[0])
+
+    # ----- shardings -----------------------------------------------------------------------
+
+    def sharding(self, shape: tuple, kind: str = HOST_KIND) -> Sharding:
+        """Where a state leaf of `shape` lives in memory `kind` (each device's shard of it)."""
+        if self.mesh is None:
+            return SingleDeviceSharding(self.device, memory_kind=kind)
+        return NamedSharding(self.mesh, state_spec(tuple(shape), self.devices), memory_kind=kind)
+
+    def shardings(self, tree, kind: str = HOST_KIND):
+        return jax.tree.map(lambda a: self.sharding(jnp.shape(a), kind), tree)
+
+    def constrain(self, tree):
+        """Inside a program: a state tree (a gradient) split as its home splits it."""
+        if self.mesh is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, self.shardings(tree, DEVICE_KIND))
+
+    def batch_sharding(self, ndim: int) -> Sharding:
+        """Where a micro-batched array [M, rows, ...] of the batch lives: its rows split."""
+        if self.mesh is None:
+            return SingleDeviceSharding(self.device, memory_kind=DEVICE_KIND)
+        return NamedSharding(self.mesh, MICRO_ROWS, memory_kind=DEVICE_KIND)
 
     # ----- homes ---------------------------------------------------------------------------
 
@@ -81,42 +119,90 @@ class Placement:
         GPU memory for the whole run. The rule: the first `resident_layers` layers do."""
         return 1 <= index <= self.resident_layers
 
-    def home(self, index: int) -> SingleDeviceSharding:
-        return self.device_sharding if self.is_resident(index) else self.host_sharding
+    def home(self, index: int) -> str:
+        """The memory kind of the part at streaming `index`."""
+        return DEVICE_KIND if self.is_resident(index) else HOST_KIND
 
     def check(self, num_layers: int) -> None:
         if self.resident_layers > num_layers:
             raise ValueError(f"resident_layers ({self.resident_layers}) exceeds the model's "
                              f"{num_layers} layers")
 
+    def in_host_memory(self, array) -> bool:
+        return isinstance(array, jax.Array) and array.sharding.memory_kind == HOST_KIND
+
     # ----- moves ---------------------------------------------------------------------------
+
+    def place(self, tree, kind: str = HOST_KIND, copy: bool = False):
+        """Starts copies of `tree`'s leaves (from anywhere) to their shardings in `kind`. With
+        several processes, each passes the whole of every leaf and places its own shards."""
+        shardings = self.shardings(tree, kind)
+        if jax.process_count() > 1:
+            return jax.tree.map(_from_whole, tree, shardings)
+        return jax.device_put(tree, shardings, may_alias=False if copy else None)
+
+    def place_batch(self, micro_batches: dict) -> dict:
+        """Micro-batched arrays [M, rows, ...] (whole, in host memory) on the devices."""
+        return jax.tree.map(lambda a: _from_whole(a, self.batch_sharding(a.ndim)),
+                            micro_batches)
 
     def to_host(self, tree):
         """Starts device -> host copies; returns at once (the copies complete asynchronously)."""
-        return jax.device_put(tree, self.host_sharding)
+        return self._move(tree, HOST_KIND)
 
     def to_device(self, tree, copy: bool = False):
         """Starts host -> device copies; returns at once. An array already there is returned
         as it is, unless `copy`."""
-        return jax.device_put(tree, self.device_sharding, may_alias=False if copy else None)
+        return self._move(tree, DEVICE_KIND, copy)
+
+    def _move(self, tree, kind: str, copy: bool = False):
+        def target(a):
+            if isinstance(a, jax.Array):
+                return a.sharding.with_memory_kind(kind)
+            return self.sharding(jnp.shape(a), kind)
+
+        return jax.device_put(tree, jax.tree.map(target, tree),
+                              may_alias=False if copy else None)
 
     def place_params(self, params: dict, copy: bool = True) -> dict:
         """Each part of `params` (anywhere) moved to its home. Parts already at home are taken
         as they are, except device arrays with `copy` (a resident part's update donates its
         buffers, which must not be the caller's)."""
         self.check(len(params["layers"]))
-        return from_parts([
-            self.to_device(part, copy) if self.is_resident(k) else self.to_host(part)
-            for k, part in enumerate(parts(params))])
+        return from_parts([self.place(part, self.home(k), copy and self.is_resident(k))
+                           for k, part in enumerate(parts(params))])
 
     def host_jit(self, fn: Callable, donate_argnums=()) -> Callable:
-        """Jits `fn` over host-resident inputs: moved to the device inside, results to host."""
+        """Jits `fn` over host-resident state: moved to the device inside, results to host.
+        Every argument and result is a state tree (or a scalar), split as state is."""
 
         def on_device(*args):
-            return fn(*jax.device_put(args, self.device_sharding))
+            return fn(*jax.device_put(args, self.shardings(args, DEVICE_KIND)))
 
-        return jax.jit(on_device, out_shardings=self.host_sharding,
-                       donate_argnums=donate_argnums)
+        return self._jit_with_homes(on_device, HOST_KIND, donate_argnums)
+
+    def device_jit(self, fn: Callable, donate_argnums=()) -> Callable:
+        """Jits `fn` over device-resident state, its results split as state is."""
+        return self._jit_with_homes(fn, DEVICE_KIND, donate_argnums)
+
+    def _jit_with_homes(self, fn: Callable, kind: str, donate_argnums) -> Callable:
+        """jax.jit of `fn` whose results get state shardings in `kind`, from their shapes,
+        found once per shape of the arguments."""
+        if self.mesh is None:
+            return jax.jit(fn, out_shardings=self.sharding((), kind),
+                           donate_argnums=donate_argnums)
+        compiled = {}
+
+        def call(*args):
+            key = jax.tree.structure(args), tuple((jnp.shape(a), jnp.result_type(a))
+                                                   for a in jax.tree.leaves(args))
+            if key not in compiled:
+                results = jax.eval_shape(fn, *args)
+                compiled[key] = jax.jit(fn, out_shardings=self.shardings(results, kind),
+                                        donate_argnums=donate_argnums)
+            return compiled[key](*args)
+
+        return call
 
     # ----- building state at home ----------------------------------------------------------
 
@@ -127,12 +213,11 @@ class Placement:
         self.check(num_layers)
         makers = [init_embed, *(lambda i=i: init_layer(i) for i in range(num_layers)),
                   init_head]
-        return from_parts([jax.device_put(make(), self.home(k))
-                           for k, make in enumerate(makers)])
+        return from_parts([self.place(make(), self.home(k)) for k, make in enumerate(makers)])
 
     def init_opt_state(self, opt_init: Callable, params: dict) -> dict:
         """Optax state of each part, created on the device and stored in the part's home."""
-        on_host, on_device = self.host_jit(opt_init), jax.jit(opt_init)
+        on_host, on_device = self.host_jit(opt_init), self.device_jit(opt_init)
         return from_parts([on_device(p) if self.is_resident(k) else on_host(p)
                            for k, p in enumerate(parts(params))])
 
@@ -141,6 +226,13 @@ class Placement:
         target. Checkpoints do not depend on the homes: any placement restores any."""
         self.check(len(abstract_params["layers"]))
         opt_state = map_parts(lambda p: jax.eval_shape(opt_init, p), abstract_params)
-        return {name: from_parts([placed_shapes(part, self.home(k))
+        return {name: from_parts([placed_shapes(part, self.shardings(part, self.home(k)))
                                   for k, part in enumerate(parts(tree))])
                 for name, tree in (("params", abstract_params), ("opt_state", opt_state))}
+
+
+def _from_whole(a, sharding: Sharding) -> jax.Array:
+    """An array with `sharding` from the whole of it, of which each process places its own
+    devices' shards."""
+    whole = np.asarray(a)
+    return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])

@@ -83,6 +83,7 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
 
         zeros = (jnp.zeros((), jnp.float32), _zeros_like(head_params), _zeros_like(tied))
         (loss, dhead, dembed), dxs = jax.lax.scan(one, zeros, (xs, batch))
+        dhead, dembed = placement.constrain((dhead, dembed))
         return loss, dxs, dhead, dembed, optim.sum_of_squares(dhead)
 
     def head_eval(head_params, embed_params, xs, batch, denom):
@@ -102,6 +103,7 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
             return _add(dw_acc, dw), dx_in
 
         dw, dxs_in = jax.lax.scan(one, _zeros_like(params), (xs, dxs, batch))
+        dw = placement.constrain(dw)
         own = optim.sum_of_squares(dw)
         if t.layer_grad_dtype is not None and xs.shape[0] == 1:  # exact: see Templates
             dw = jax.tree.map(lambda g: g.astype(t.layer_grad_dtype), dw)
@@ -115,6 +117,7 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
 
         start = dembed_from_head if t.tied else _zeros_like(embed_params)
         dembed, _ = jax.lax.scan(one, start, (batch, dxs))
+        dembed = placement.constrain(dembed)
         sq = sq + optim.sum_of_squares(dembed)
         return dembed, sq, ~jnp.isfinite(sq), optim.clip_scale(sq, clip_norm)
 
@@ -130,7 +133,7 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         layer_backward=jax.jit(layer_backward, donate_argnums=2),
         embed_backward=jax.jit(embed_backward),
         update_host=placement.host_jit(update, donate_argnums=(0, 2)),
-        update_device=jax.jit(update, donate_argnums=(0, 2)),
+        update_device=placement.device_jit(update, donate_argnums=(0, 2)),
     )
 
 

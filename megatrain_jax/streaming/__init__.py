@@ -15,8 +15,11 @@ through the device (see `megatrain_jax.stream`). The ways in, from the most gene
     state = step.init_state()
     state, metrics = step.train_step(state, batch)
     step.params_to(model, state)          # then model(x) as usual
+
+Every way in takes `mesh=make_mesh(n)` (or n) to run data parallel over n devices.
 """
 
+from megatrain_jax.stream.mesh import make_mesh
 from megatrain_jax.streaming.functions import (
     StreamingStep,
     TemplateError,
@@ -31,4 +34,4 @@ from megatrain_jax.streaming.nnx_models import from_nnx, from_nnx_model, refuse_
 
 __all__ = ["Layout", "ModelStep", "StreamingStep", "TemplateError", "build_engine",
            "check_layers", "check_no_captured_arrays", "from_functions", "from_linen",
-           "from_linen_model", "from_nnx", "from_nnx_model", "refuse_non_params"]
+           "from_linen_model", "from_nnx", "from_nnx_model", "make_mesh", "refuse_non_params"]

@@ -29,8 +29,10 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
+from megatrain_jax.stream.mesh import make_mesh
 
 
 class TemplateError(ValueError):
@@ -104,7 +106,7 @@ def from_functions(embed: Callable, layer: Callable, head_loss: Callable, params
     head_loss(head_params, x, batch) -> summed loss. `params` is
     {"embed": ..., "layers": [one pytree per layer], "head": ...}. `options` are
     `build_engine`'s: clip_norm, prefetch_depth, saved_inputs, micro_batches,
-    resident_layers, example_batch.
+    resident_layers, mesh, example_batch.
     """
     check_layers(params["layers"])
     example = {"embed": params["embed"], "layer": params["layers"][0], "head": params["head"]}
@@ -116,15 +118,20 @@ def build_engine(embed: Callable, layer: Callable, head_loss: Callable,
                  optimizer: optax.GradientTransformation, example: dict, *,
                  clip_norm: float = 0.0, prefetch_depth: int = 2,
                  saved_inputs: str = "device", micro_batches: int = 1,
-                 resident_layers: int = 0, example_batch: dict | None = None) -> StreamEngine:
+                 resident_layers: int = 0, mesh: Mesh | int | None = None,
+                 example_batch: dict | None = None) -> StreamEngine:
     """The engine around three pure functions (as `from_functions` takes them).
 
     `example` holds one part of each kind, {"embed", "layer", "head"} (arrays or
     ShapeDtypeStructs): with `example_batch`, the templates are traced with them once up front
     to refuse captured arrays. `clip_norm` > 0 clips the gradients' exact global norm. With
     `resident_layers=K`, the first K layers' parameters and optimizer state stay in GPU memory
-    and update there, where the GPU has room for them.
+    and update there, where the GPU has room for them. `mesh` (a `make_mesh(n)`, or n):
+    data parallel over n devices, each batch's rows split over them and the host state
+    sharded (stream/mesh.py); None or 1: one device.
     """
+    if isinstance(mesh, int):
+        mesh = make_mesh(mesh)
     layer3 = _with_batch(layer)
 
     def scaled_head(p, _embed_params, x, batch, denom):
@@ -138,7 +145,7 @@ def build_engine(embed: Callable, layer: Callable, head_loss: Callable,
         check_no_captured_arrays(head_loss, example["head"], x, example_batch, name="head loss")
     return StreamEngine(templates, optimizer, clip_norm=clip_norm,
                         prefetch_depth=prefetch_depth, saved_inputs=saved_inputs,
-                        micro_batches=micro_batches, resident_layers=resident_layers)
+                        micro_batches=micro_batches, resident_layers=resident_layers, mesh=mesh)
 
 
 def _with_batch(layer: Callable) -> Callable:

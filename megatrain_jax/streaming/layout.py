@@ -73,11 +73,10 @@ def _host_copy(leaf, placement, index: int | None = None):
     """A fresh copy in host memory of `leaf`, or of its layer `index`, taken where it lives:
     host-held arrays through a NumPy view (never the whole array on the device), device
     arrays on the device. Fresh, because the host update writes the store in place."""
-    if isinstance(leaf, jax.Array) and \
-            leaf.sharding.memory_kind != placement.host_sharding.memory_kind:
-        return placement.to_host(leaf if index is None else leaf[index])
+    if isinstance(leaf, jax.Array) and not placement.in_host_memory(leaf):
+        return placement.place(leaf if index is None else leaf[index])
     view = np.asarray(leaf)
-    return placement.to_host(np.array(view if index is None else view[index]))
+    return placement.place(np.array(view if index is None else view[index]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +160,7 @@ class Layout:
         if where not in PLACES:
             raise ValueError(f"where must be one of {PLACES}, got {where!r}")
         if where == "host":
-            put = lambda a: placement.to_host(np.array(np.asarray(a)))  # noqa: E731
+            put = lambda a: placement.place(np.array(np.asarray(a)))  # noqa: E731
         else:
             put = lambda a: placement.to_device(a, copy=True)  # noqa: E731
         tree: dict = {}
@@ -170,7 +169,7 @@ class Layout:
                 _set_path(tree, path, jax.tree.map(put, part[path_str(path)]))
         layers = params["layers"]
         if self.stacked:  # one leaf's stack at a time in host memory
-            move = placement.to_host if where == "host" else placement.to_device
+            move = placement.place if where == "host" else placement.to_device
             blocks = jax.tree.map(lambda *xs: move(np.stack([np.asarray(x) for x in xs])),
                                   *layers)
         else:

@@ -247,13 +247,13 @@ def _optimizer_rate(engine) -> float:
 
     place = engine.placement
     n = OPTIMIZER_SAMPLE
-    params = place.to_host({"w": jnp.full((n // 2**12, 2**12), 0.01, jnp.float32)})
-    grads = place.to_host({"w": jnp.full((n // 2**12, 2**12), 1e-3, jnp.float32)})
+    params = place.place({"w": jnp.full((n // 2**12, 2**12), 0.01, jnp.float32)})
+    grads = place.place({"w": jnp.full((n // 2**12, 2**12), 1e-3, jnp.float32)})
     state = place.host_jit(engine.optimizer.init)(params)
     if engine.host_optimizer is not None:
         seconds = median_seconds(lambda: engine.host_optimizer.update(params, grads, state, 1.0))
     else:
-        scale, skip = place.to_host((jnp.float32(1.0), jnp.bool_(False)))
+        scale, skip = place.place((jnp.float32(1.0), jnp.bool_(False)))
         box = [params, state]
 
         def update():

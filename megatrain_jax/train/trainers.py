@@ -19,8 +19,9 @@ from functools import partial
 import jax
 
 from megatrain_jax import model, optim
-from megatrain_jax.config import Config
+from megatrain_jax.config import Config, ConfigError
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
+from megatrain_jax.stream.mesh import make_mesh
 from megatrain_jax.train.reference import ReferenceTrainer
 
 
@@ -59,10 +60,10 @@ class StreamTrainer:
             clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
             saved_inputs=cfg.stream.saved_inputs, micro_batches=cfg.data.micro_batches,
             learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
-            speculate=cfg.stream.speculate,
+            speculate=cfg.stream.speculate, mesh=mesh_for(cfg),
         )
         self.train_step = self.engine.train_step
-        self.put_params = self.engine.placement.to_host  # where imported parameters go
+        self.put_params = self.engine.placement.place  # where imported parameters go
 
     def init(self, key, params: dict | None = None) -> StreamState:
         if params is not None:
@@ -94,6 +95,23 @@ class StreamTrainer:
     def from_tree(self, tree: dict, step: int, record: dict | None = None) -> StreamState:
         return StreamState(tree["params"], tree["opt_state"], step,
                            last_grad_norm=(record or {}).get("last_grad_norm"))
+
+
+def mesh_for(cfg: Config):
+    """The mesh of `cfg.mesh` (None for one device), refused with the fix when the batch's
+    micro-batches do not split over it."""
+    try:
+        mesh = make_mesh(cfg.mesh.data)
+    except ValueError as e:
+        raise ConfigError(str(e) + ".") from None
+    n, rows = (mesh.size if mesh is not None else 1), cfg.data.batch_size // cfg.data.micro_batches
+    if rows % n:
+        raise ConfigError(
+            f"each micro-batch's {rows} rows (data.batch_size {cfg.data.batch_size} / "
+            f"data.micro_batches {cfg.data.micro_batches}) do not split over {n} devices: make "
+            f"data.batch_size a multiple of {n * cfg.data.micro_batches}, or set mesh.data to a "
+            f"divisor of {rows} (mesh.data=1: one device).")
+    return mesh
 
 
 def make_trainer(cfg: Config):

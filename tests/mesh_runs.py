@@ -1,0 +1,152 @@
+"""Runs for tests/test_mesh.py, each in a process of its own with N CPU devices.
+
+    python tests/mesh_runs.py DEVICES SCENARIO OUT.json [ARGS...]
+
+The device count must be fixed before JAX starts, so the tests run these as subprocesses:
+    compare DIR       20 steps on the mesh against the one-device reference, the state's
+                      shardings, then runs of the training loop in DIR (a straight one, and
+                      one that stops at a checkpoint for other device counts to resume)
+    resume DIR        the stopped run resumed on this process's devices
+    distributed I N PORT   process I of N under jax.distributed (one CPU device each)
+    single            the distributed run's steps in this one process
+"""
+
+import json
+import os
+import sys
+
+
+def _start(devices: int, process: tuple[int, int, int] | None = None) -> None:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, os.path.dirname(__file__))
+    if process is not None:
+        from megatrain_jax.tools.distributed import initialize
+
+        index, count, port = process
+        initialize(f"localhost:{port}", count, index)
+
+
+STEPS, STOP = 6, 3
+COMPARED = ["model.layers=3", "data.batch_size=8", "data.micro_batches=2", "optim.lr=1e-2",
+            "optim.clip_norm=0.6", "schedule.warmup_steps=3"]
+
+
+def loop_cfg(run_dir, *overrides):
+    from conftest import tiny
+
+    return tiny(*COMPARED, f"loop.run_dir={run_dir}", "loop.progress=none", "loop.log_every=1",
+                "loop.timeline_step=-1", "loop.tensorboard=off", *overrides)
+
+
+def losses(run_dir) -> dict:
+    from pathlib import Path
+
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text()
+               .splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def compare(run_dir: str) -> dict:
+    import jax
+    import numpy as np
+    from conftest import max_rel_error, tiny
+    from jax.sharding import NamedSharding
+
+    from megatrain_jax import model
+    from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.stream.mesh import state_spec
+    from megatrain_jax.train import StreamTrainer, train
+    from megatrain_jax.train.reference import ReferenceTrainer
+
+    out = {"devices": jax.device_count()}
+    for name, extra in (("host", []), ("device_resident", ["stream.update=device",
+                                                           "stream.resident_layers=1",
+                                                           "stream.saved_inputs=pinned_host"])):
+        cfg = tiny(*COMPARED, "loop.steps=20", *extra)
+        data = TokenSource(cfg)
+        params = model.init(cfg.model, jax.random.key(0))
+        ref, stream = ReferenceTrainer(cfg), StreamTrainer(cfg)
+        ref_state, state = ref.init(None, params=params), stream.init(None, params=params)
+        ref_losses, stream_losses, norms = [], [], []
+        for step in range(20 if name == "host" else 6):
+            batch = data.batch_at(step)
+            ref_state, rm = ref.train_step(ref_state, batch)
+            state, m = stream.train_step(state, batch)
+            ref_losses.append(float(rm["loss"]))
+            stream_losses.append(float(m["loss"]))
+            norms.append(float(m["grad_norm"]))
+        placement = stream.engine.placement
+        tree = {"params": state.params, "opt_state": state.opt_state}
+        homes = [(placement.is_resident(k), leaf)
+                 for k, part in enumerate([tree["params"]["embed"], *tree["params"]["layers"],
+                                           tree["params"]["head"]])
+                 for leaf in jax.tree.leaves(part)]
+        out[name] = {
+            "losses": stream_losses, "ref_losses": ref_losses, "norms": norms,
+            "params_rel": max_rel_error(state.params, ref_state.params),
+            "mesh": placement.devices,
+            "kinds": sorted({leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}),
+            "streamed_kinds": sorted({leaf.sharding.memory_kind for resident, leaf in homes
+                                      if not resident}),
+            "not_as_designed": [
+                f"{jax.tree_util.keystr(path)}: {leaf.sharding}" for path, leaf
+                in jax.tree_util.tree_flatten_with_path(tree)[0]
+                if not leaf.sharding.is_equivalent_to(
+                    NamedSharding(placement.mesh, state_spec(leaf.shape, jax.device_count()),
+                                  memory_kind=leaf.sharding.memory_kind), leaf.ndim)],
+            "whole": sorted({str(leaf.shape) for leaf in jax.tree.leaves(tree)
+                             if leaf.addressable_shards[0].data.shape == leaf.shape}),
+            "host_shard_bytes": int(sum(s.data.nbytes for leaf in jax.tree.leaves(
+                tree["params"]) for s in leaf.addressable_shards[:1])),
+            "host_bytes": int(sum(leaf.nbytes for leaf in jax.tree.leaves(tree["params"]))),
+        }
+        if name == "host":
+            np.testing.assert_allclose(stream_losses, ref_losses, rtol=1e-5)
+    train(loop_cfg(f"{run_dir}/straight", f"loop.steps={STEPS}"))
+    train(loop_cfg(f"{run_dir}/stopped", f"loop.steps={STOP}", f"loop.checkpoint_every={STOP}"))
+    out["straight"] = losses(f"{run_dir}/straight")
+    return out
+
+
+def resume(run_dir: str) -> dict:
+    import jax
+
+    from megatrain_jax.train import train
+
+    train(loop_cfg(run_dir, f"loop.steps={STEPS}", f"loop.checkpoint_every={STOP}"))
+    return {"devices": jax.device_count(), "losses": losses(run_dir)}
+
+
+def distributed(steps: int = 4) -> dict:
+    import jax
+    from conftest import tiny
+
+    from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.train import StreamTrainer
+
+    cfg = tiny(*COMPARED)
+    trainer, data = StreamTrainer(cfg), TokenSource(cfg)
+    state = trainer.init(jax.random.key(0))
+    result = []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, data.batch_at(step))
+        result.append(float(metrics["loss"]))
+    return {"devices": jax.device_count(), "processes": jax.process_count(),
+            "local_devices": jax.local_device_count(), "losses": result}
+
+
+if __name__ == "__main__":
+    devices, scenario, out_file, *args = sys.argv[1:]
+    if scenario == "distributed":
+        _start(int(devices), (int(args[0]), int(args[1]), int(args[2])))
+        result = distributed()
+    else:
+        _start(int(devices))
+        result = {"compare": compare, "resume": resume, "single": distributed}[scenario](*args)
+    with open(out_file, "w") as f:
+        json.dump(result, f)
+    if scenario == "distributed":
+        import jax
+
+        jax.distributed.shutdown()  # together: the coordinator must not leave first

@@ -1,0 +1,129 @@
+"""Several devices: data parallel over a mesh with one sharded host state (stream/mesh.py).
+
+CPU devices stand in for GPUs; the device count is fixed when JAX starts, so each run is a
+subprocess (tests/mesh_runs.py) with XLA_FLAGS of its own.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatrain_jax.train import train
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = Path(__file__).resolve().parent / "mesh_runs.py"
+sys.path.insert(0, str(RUNS.parent))
+import mesh_runs  # noqa: E402
+
+
+def run(devices: int, scenario: str, out: Path, *args, timeout: int = 600,
+        background: bool = False):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, str(RUNS), str(devices), scenario, str(out), *map(str, args)]
+    if background:
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """The 4-device runs: against the reference, and of the training loop."""
+    folder = tmp_path_factory.mktemp("mesh4")
+    return folder, run(4, "compare", folder / "out.json", folder)
+
+
+def test_four_devices_equal_the_one_device_reference_over_twenty_clipped_steps(four):
+    _, out = four
+    host = out["host"]
+    assert out["devices"] == 4 and host["mesh"] == 4
+    assert any(n > 0.6 for n in host["norms"]) and any(n < 0.6 for n in host["norms"])
+    np.testing.assert_allclose(host["losses"], host["ref_losses"], rtol=1e-5)
+    assert host["params_rel"] <= 1e-5
+    resident = out["device_resident"]  # the device update, a resident layer, inputs on host
+    np.testing.assert_allclose(resident["losses"], resident["ref_losses"], rtol=1e-5)
+    assert resident["params_rel"] <= 1e-5
+
+
+def test_every_host_leaf_is_sharded_as_designed_in_pinned_host_memory(four):
+    _, out = four
+    host = out["host"]
+    assert host["kinds"] == ["pinned_host"] and host["not_as_designed"] == []
+    assert host["whole"] == ["()"]  # only the step counts are not split
+    # Each device holds a quarter of the weights: one copy of the state over the mesh.
+    assert host["host_shard_bytes"] * 4 == host["host_bytes"]
+    resident = out["device_resident"]
+    assert resident["streamed_kinds"] == ["pinned_host"] and resident["not_as_designed"] == []
+    assert "device" in resident["kinds"]
+
+
+def test_a_checkpoint_from_four_devices_continues_on_one_and_on_two(four, tmp_path):
+    folder, out = four
+    straight = {int(k): v for k, v in out["straight"].items()}
+    assert sorted(straight) == list(range(1, mesh_runs.STEPS + 1))
+    one, two = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(folder / "stopped", one)
+    shutil.copytree(folder / "stopped", two)
+    on_two = run(2, "resume", tmp_path / "two.json", two)
+    assert on_two["devices"] == 2
+    train(mesh_runs.loop_cfg(one, f"loop.steps={mesh_runs.STEPS}",
+                             f"loop.checkpoint_every={mesh_runs.STOP}"))  # this process: 1
+    later = range(mesh_runs.STOP + 1, mesh_runs.STEPS + 1)
+    for losses in (mesh_runs.losses(one), {int(k): v for k, v in on_two["losses"].items()}):
+        np.testing.assert_allclose([losses[s] for s in later], [straight[s] for s in later],
+                                   rtol=1e-5)
+
+
+def test_a_batch_that_does_not_split_over_the_devices_is_refused_with_the_fix(tmp_path):
+    from conftest import tiny
+
+    from megatrain_jax.config import ConfigError
+    from megatrain_jax.train.trainers import mesh_for
+
+    with pytest.raises(ConfigError, match="mesh.data=2 asks for more devices than the 1"):
+        mesh_for(tiny("mesh.data=2"))
+
+
+def test_the_nnx_example_runs_on_four_devices():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = [subprocess.run([sys.executable, str(ROOT / "examples" / "nnx_scanned.py"),
+                            "--steps", "4", "--devices", str(n)], env=env, capture_output=True,
+                           text=True, timeout=600) for n in (4, 1)]
+    for d in done:
+        assert d.returncode == 0, d.stderr[-4000:]
+    four_lines, one_lines = (d.stdout.splitlines() for d in done)
+    assert len(four_lines) == 5 and "own forward" in four_lines[-1]
+    assert four_lines == one_lines  # printed to 3 decimals: the same run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_under_jax_distributed_match_one_process(tmp_path):
+    port = _free_port()
+    procs = [run(1, "distributed", tmp_path / f"p{i}.json", i, 2, port, background=True)
+             for i in range(2)]
+    single = run(2, "single", tmp_path / "single.json")
+    for p in procs:
+        output, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, output[-6000:]
+    results = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
+    for r in results:
+        assert r["processes"] == 2 and r["devices"] == 2 and r["local_devices"] == 1
+        np.testing.assert_allclose(r["losses"], single["losses"], rtol=1e-6)
+    assert single["processes"] == 1 and single["devices"] == 2

@@ -166,6 +166,7 @@ def run(cfg, trainer, state, args):
         "config": args.config, "overrides": args.overrides, "trainer": cfg.loop.trainer,
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "params": p, "tokens_per_step": cfg.data.tokens_per_step,
+        "devices": engine.placement.devices if engine is not None else 1,
         "tokens_per_s": tokens_per_s, "median_step_s": step_s, "step_s": times,
         "model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
         "peak_device_gib": (peak_device_bytes() or 0) / 2**30,

@@ -26,7 +26,7 @@ from megatrain_jax.config import (
     shipped_configs,
 )
 from megatrain_jax.io.checkpoint import CheckpointError
-from megatrain_jax.tools import activations
+from megatrain_jax.tools import activations, distributed
 from megatrain_jax.tools import plan as planner
 
 EPILOG = """\
@@ -53,9 +53,18 @@ def _count(n: int) -> str:
 
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    try:
+        processes = distributed.settings(args.coordinator, args.processes, args.process_id)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if processes is not None:
+        distributed.check_config(cfg)
     planner.check_fits(cfg)
     if cfg.loop.trainer == "stream":
         planner.set_pool_env(cfg)
+    if processes is not None:
+        distributed.initialize(*processes)
+        cfg = distributed.process_config(cfg)
     import jax
 
     from megatrain_jax.train import TrainingStopped, train  # starts JAX
@@ -64,7 +73,7 @@ def cmd_train(args) -> int:
         m = cfg.model
         print(f"megatrain-jax: {_count(m.num_params)} params, {m.layers} layers, "
               f"{cfg.data.tokens_per_step:,} tokens/step, trainer={cfg.loop.trainer}, "
-              f"device={jax.devices()[0].device_kind}, run_dir={cfg.loop.run_dir}"
+              f"device={jax.local_devices()[0].device_kind}, run_dir={cfg.loop.run_dir}"
               + (f", resuming at step {step}" if step else ""), file=sys.stderr)
 
     try:
@@ -239,6 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("config", help="shipped config name or path to a .json/.gin file")
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        if name == "train":
+            p.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                           help="several processes (one per node): the first process's "
+                           "address and a free port, the same for all (or "
+                           "JAX_COORDINATOR_ADDRESS)")
+            p.add_argument("--processes", type=int, default=None, metavar="N",
+                           help="how many processes the run has (or JAX_NUM_PROCESSES; 0: "
+                           "detected from SLURM or Open MPI)")
+            p.add_argument("--process-id", type=int, default=None, metavar="I",
+                           help="this process's index, 0..N-1 (or JAX_PROCESS_ID)")
         if name == "plan":
             p.add_argument("--measure", action="store_true",
                            help="measure link, layer and optimizer rates on two layers of this "

@@ -7,8 +7,7 @@ The device count must be fixed before JAX starts, so the tests run these as subp
                       shardings, then runs of the training loop in DIR (a straight one, and
                       one that stops at a checkpoint for other device counts to resume)
     resume DIR        the stopped run resumed on this process's devices
-    distributed I N PORT   process I of N under jax.distributed (one CPU device each)
-    single            the distributed run's steps in this one process
+    single            the steps of test_mesh's two-process run, in this one process
 """
 
 import json
@@ -16,15 +15,10 @@ import os
 import sys
 
 
-def _start(devices: int, process: tuple[int, int, int] | None = None) -> None:
+def _start(devices: int) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.dirname(__file__))
-    if process is not None:
-        from megatrain_jax.tools.distributed import initialize
-
-        index, count, port = process
-        initialize(f"localhost:{port}", count, index)
 
 
 STEPS, STOP = 6, 3
@@ -118,14 +112,14 @@ def resume(run_dir: str) -> dict:
     return {"devices": jax.device_count(), "losses": losses(run_dir)}
 
 
-def distributed(steps: int = 4) -> dict:
+def single(steps: int = 4) -> dict:
     import jax
     from conftest import tiny
 
     from megatrain_jax.io.data import TokenSource
     from megatrain_jax.train import StreamTrainer
 
-    cfg = tiny(*COMPARED)
+    cfg = tiny(*COMPARED, f"loop.steps={steps}")
     trainer, data = StreamTrainer(cfg), TokenSource(cfg)
     state = trainer.init(jax.random.key(0))
     result = []
@@ -138,15 +132,7 @@ def distributed(steps: int = 4) -> dict:
 
 if __name__ == "__main__":
     devices, scenario, out_file, *args = sys.argv[1:]
-    if scenario == "distributed":
-        _start(int(devices), (int(args[0]), int(args[1]), int(args[2])))
-        result = distributed()
-    else:
-        _start(int(devices))
-        result = {"compare": compare, "resume": resume, "single": distributed}[scenario](*args)
+    _start(int(devices))
+    result = {"compare": compare, "resume": resume, "single": single}[scenario](*args)
     with open(out_file, "w") as f:
         json.dump(result, f)
-    if scenario == "distributed":
-        import jax
-
-        jax.distributed.shutdown()  # together: the coordinator must not leave first

@@ -114,16 +114,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_under_jax_distributed_match_one_process(tmp_path):
-    port = _free_port()
-    procs = [run(1, "distributed", tmp_path / f"p{i}.json", i, 2, port, background=True)
-             for i in range(2)]
+def test_two_processes_of_the_command_line_match_one_process(tmp_path):
+    """`megatrain-jax train --coordinator … --processes 2 --process-id I`, one CPU device
+    each: the same losses as one process with both devices; the first process writes the
+    run's folder, the other only its log."""
+    port, run_dir = _free_port(), tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("XLA_FLAGS", None)
+    overrides = [*mesh_runs.COMPARED, "model.compute_dtype=float32", "loop.steps=4",
+                 f"loop.run_dir={run_dir}", "loop.progress=none", "loop.log_every=1"]
+    procs = [subprocess.Popen([sys.executable, "-m", "megatrain_jax.cli", "train", "tiny",
+                               *overrides, "--coordinator", f"localhost:{port}",
+                               "--processes", "2", "--process-id", str(i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
     single = run(2, "single", tmp_path / "single.json")
     for p in procs:
         output, _ = p.communicate(timeout=600)
         assert p.returncode == 0, output[-6000:]
-    results = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
-    for r in results:
-        assert r["processes"] == 2 and r["devices"] == 2 and r["local_devices"] == 1
-        np.testing.assert_allclose(r["losses"], single["losses"], rtol=1e-6)
     assert single["processes"] == 1 and single["devices"] == 2
+    first, second = mesh_runs.losses(run_dir), mesh_runs.losses(run_dir / "process-1")
+    np.testing.assert_allclose([first[s] for s in range(1, 5)], single["losses"], rtol=1e-6)
+    assert first == second
+    assert (run_dir / "config.json").exists()
+    assert not (run_dir / "process-1" / "tensorboard").exists()
+
+
+def test_a_run_of_several_processes_refuses_checkpoints_before_it_starts(tmp_path, capsys):
+    from megatrain_jax.cli import main
+
+    code = main(["train", "tiny", "loop.checkpoint_every=2", f"loop.run_dir={tmp_path}/r",
+                 "--coordinator", "localhost:1", "--processes", "2", "--process-id", "1"])
+    assert code == 2 and "loop.checkpoint_every=0" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    code = main(["train", "tiny", "--processes", "2"])
+    assert code == 2 and "--coordinator" in capsys.readouterr().err

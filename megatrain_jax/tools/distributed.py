@@ -62,3 +62,30 @@ def initialize(coordinator: str | None = None, processes: int | None = None,
 def is_main() -> bool:
     """Whether this process writes the run's files (logs, metrics, the config): the first."""
     return jax.process_index() == 0
+
+
+
+def check_config(cfg) -> None:
+    """Refuses what a run of several processes does not do (before anything starts)."""
+    from megatrain_jax.config import ConfigError
+
+    if cfg.loop.checkpoint_every:
+        raise ConfigError("checkpoints of a run of several processes are not written yet (each "
+                          "process holds only its devices' shards of the state): set "
+                          "loop.checkpoint_every=0, or run one process with every GPU of a node")
+    if cfg.loop.export_dir:
+        raise ConfigError("loop.export_dir is not written by a run of several processes: leave "
+                          "it empty")
+
+
+def process_config(cfg):
+    """The config this process of a several-process run follows (after `initialize`): the
+    first writes the run's folder as one process would; the others log into RUN_DIR/process-I
+    and write nothing else."""
+    from dataclasses import replace
+
+    if is_main():
+        return cfg
+    loop = cfg.loop
+    return replace(cfg, loop=replace(loop, run_dir=f"{loop.run_dir}/process-{jax.process_index()}",
+                                     progress="none", tensorboard="off", timeline_step=-1))

@@ -12,13 +12,13 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12}
 
 
 def peak_flops() -> float | None:
-    kind = jax.devices()[0].device_kind
+    kind = jax.local_devices()[0].device_kind
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
 def peak_device_bytes() -> int | None:
     """Peak bytes in use on device 0, where the backend reports it (GPUs; not the CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
 

@@ -95,7 +95,8 @@ def cmd_plan(args) -> int:
     print(f"{cfg.model.num_params / 1e9:.2f}B parameters, {cfg.model.layers} layers, "
           f"{cfg.data.tokens_per_step:,} tokens per step, trainer={cfg.loop.trainer}")
     for where in ("host", "device"):
-        print(f"{where}:")
+        print(f"{where}:" if where == "host" or est["devices"] == 1 else
+              f"device (each of {est['devices']} GPUs, mesh.data):")
         for name, n in est[where].items():
             print(f"  {name:22s}{_gib(n)}")
         print(f"  {'total':22s}{_gib(est[where + '_total'])}")

@@ -150,3 +150,17 @@ def test_a_run_of_several_processes_refuses_checkpoints_before_it_starts(tmp_pat
     assert not (tmp_path / "r").exists()
     code = main(["train", "tiny", "--processes", "2"])
     assert code == 2 and "--coordinator" in capsys.readouterr().err
+
+
+def test_the_plan_is_per_gpu_for_a_mesh_and_the_host_holds_one_state():
+    from megatrain_jax.config import load_config
+    from megatrain_jax.tools import plan
+
+    one = plan.estimate(load_config("7b", ["mesh.data=1"]), gpu=140 * 2**30)
+    two = plan.estimate(load_config("7b", ["mesh.data=2", "data.batch_size=32"]),
+                        gpu=140 * 2**30)
+    assert two["devices"] == 2 and one["devices"] == 1
+    assert two["host_total"] == one["host_total"]  # twice the tokens, the same host state
+    assert two["device"]["workspace"] == one["device"]["workspace"]  # 16 rows per GPU each
+    assert two["device"]["weights_in_flight"] < one["device"]["weights_in_flight"]
+    assert two["device_total"] < one["device_total"]

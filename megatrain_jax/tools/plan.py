@@ -32,24 +32,31 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     layer = m.params_per_layer
     resident = s.resident_layers * layer  # parameters whose state lives on the GPU
     state_floats = 1 + OPT_STATE_FLOATS[cfg.optim.name]
-    acts = activations.activations(cfg)
+    # Per GPU of a mesh of n: a 1/n shard of every part and of the rows of the batch; the
+    # computing part's weights gathered whole, and its gradient whole until scattered.
+    n = planned_devices(cfg) if cfg.loop.trainer == "stream" else 1
+    rows = cfg.data.batch_size // n if cfg.data.batch_size % n == 0 else cfg.data.batch_size
+    acts = activations.activations(_with(cfg, "data", batch_size=rows))
     # On the device: weights in flight (current + prefetched), gradients leaving, the
     # embedding kept for the step, saved inputs, and one micro-batch's layer workspace.
     edge = m.vocab_size * m.hidden * 4
+    part = 4 * max(layer, edge)
     device = {
-        "weights_in_flight": (s.prefetch_depth + 1) * 4 * max(layer, edge),
-        "gradients_in_flight": 2 * 4 * max(layer, edge),
-        "embedding": edge,
+        "weights_in_flight": (s.prefetch_depth + 1) * part // n + (part if n > 1 else 0),
+        "gradients_in_flight": 2 * part // n + (part if n > 1 else 0),
+        "embedding": edge // n,
         "saved_inputs": 0,
         "workspace": acts["working_set_total"],
         # Weights, optimizer state and the step's gradients of the resident layers.
-        "resident_layers": 4 * (state_floats + 1) * resident,
+        "resident_layers": 4 * (state_floats + 1) * resident // n,
     }
     room = None
     if s.saved_inputs == "auto":
         gpu = gpu_memory_bytes() if gpu is None else gpu
         room = None if gpu is None else gpu - sum(device.values())
-    device["saved_inputs"], saved_on_host = activations.saved_bytes(cfg, room)
+    device["saved_inputs"], saved_on_host = activations.saved_bytes(
+        _with(cfg, "data", batch_size=rows), room)
+    saved_on_host *= n  # every GPU's share, in the one host
     host = {
         "master_weights": 4 * (params - resident),
         "optimizer_state": 4 * OPT_STATE_FLOATS[cfg.optim.name] * (params - resident),
@@ -71,7 +78,20 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
         host["checkpoint_copies"] = 4 * state_floats * on_device + \
             checkpoint.THREADS * array_files.CHUNK
     return {"host": host, "device": device, "host_total": sum(host.values()),
-            "device_total": sum(device.values())}
+            "device_total": sum(device.values()), "devices": n}
+
+
+def planned_devices(cfg: Config) -> int:
+    """The GPUs a run uses: mesh.data, or (0) every GPU nvidia-smi lists; 1 without any.
+    The plan is per GPU, for one process."""
+    if cfg.mesh.data:
+        return cfg.mesh.data
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return max(len(out.stdout.split()), 1) if out.returncode == 0 else 1
+    except (OSError, subprocess.TimeoutExpired):
+        return 1
 
 
 def saved_inputs_room(cfg: Config, gpu: int | None) -> int | None:

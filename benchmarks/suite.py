@@ -107,6 +107,16 @@ PRESETS: dict[str, list[Run]] = {
     "cli": [cli("cli_train_1b", f"train 1b loop.steps=4 {CLI_RUN}"),
             cli("cli_resume_1b", f"train 1b loop.steps=6 {CLI_RUN}"),
             cli("cli_report_1b", "report {out}/run_1b", timeout=120)],
+    # Several GPUs: 7b at 16 x 1024 tokens per GPU on one and two, FSDP2 with CPU offload at
+    # the same world sizes.
+    "mesh": [*(Run(f"peer_fsdp2_7b_{n}gpu", ("-m", "torch.distributed.run", "--standalone",
+                                             f"--nproc_per_node={n}",
+                                             "benchmarks/peers/fsdp2_offload.py", "7b",
+                                             "--steps", "3", "--warmup", "1"), 420)
+               for n in (2, 1)),
+             step("7b_1gpu", "7b", f"{STANDARD} --repeat-batch --no-roofline mesh.data=1"),
+             step("7b_2gpu", "7b", f"{STANDARD} --repeat-batch --no-roofline mesh.data=2 "
+                  "data.batch_size=32")],
     "runs": [],
     # The suite itself, on a CPU: tiny config, the resident peer on the CPU.
     "dev": [step("tiny", "tiny", "--steps 2 --warmup 1 --phases 1", timeout=300),

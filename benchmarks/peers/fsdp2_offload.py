@@ -1,13 +1,17 @@
-"""Peer: PyTorch FSDP2 with CPUOffloadPolicy, world size 1, on a standard shape.
+"""Peer: PyTorch FSDP2 with CPUOffloadPolicy, on one GPU or all of a node's, a standard shape.
 
     python benchmarks/peers/fsdp2_offload.py 3b --steps 4 --warmup 2 [--out FILE]
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        benchmarks/peers/fsdp2_offload.py 7b --steps 4 --warmup 2 [--out FILE]
 
 The offloading peer: `transformers`' LlamaForCausalLM built in fp32 on the host, every layer
 and the whole model wrapped by `fully_shard` with CPU offload, so fp32 master weights,
 gradients and AdamW states (lr 1e-5, weight decay 0.01) live in host memory and the CPU
 runs the optimizer step; bf16 compute (MixedPrecisionPolicy), gradient checkpointing per
-layer, global-norm clipping at 1.0; the workload of torch_common.py. It holds about 20.5
-host bytes per parameter. Prints one JSON object with bench_step.py's fields.
+layer, global-norm clipping at 1.0; the workload of torch_common.py, `--batch` sequences per
+GPU, each rank its own. It holds about 20.5 host bytes per parameter. Rank 0 prints one JSON
+object with bench_step.py's fields: tokens/s of all the GPUs, device memory of GPU 0, host
+RSS summed over the ranks.
 
 PyTorch and transformers are needed here only; they are never dependencies of the project.
 """
@@ -37,8 +41,11 @@ def main() -> None:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    # CPU-offloaded gradients meet in the norm's all-reduce on the host: gloo for those.
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world)
+    torch.cuda.set_device(local)
     torch.manual_seed(args.seed)
 
     config = torch_common.llama_config(args.shape, args.seq)
@@ -60,11 +67,20 @@ def main() -> None:
         optimizer.zero_grad()
         return loss.detach()
 
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", local)
+    args.seed += rank  # each rank's own batches
     times, losses = torch_common.timed_steps(step, args, config.vocab_size, device)
-    torch_common.emit(torch_common.result("pytorch-fsdp2-cpu-offload", args, model, times,
-                                          losses, device, init_s=init_s,
-                                          gradient_checkpointing=checkpointed), args.out)
+    out = torch_common.result("pytorch-fsdp2-cpu-offload", args, model, times, losses, device,
+                              init_s=init_s, gradient_checkpointing=checkpointed,
+                              world_size=world)
+    rss = [None] * world
+    dist.all_gather_object(rss, out["peak_host_rss_gib"])
+    for key in ("tokens_per_step", "tokens_per_s", "model_tflops"):  # every GPU's tokens
+        out[key] *= world
+    out["peak_host_rss_gib"] = sum(rss)
+    out["host_bytes_per_param"] = out["peak_host_rss_gib"] * 2**30 / out["params"]
+    if rank == 0:
+        torch_common.emit(out, args.out)
     dist.destroy_process_group()
 
 

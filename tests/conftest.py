@@ -26,6 +26,29 @@ def max_rel_error(a, b) -> float:
     return max(jax.tree.leaves(errors))
 
 
+def side_by_side(cfg, steps: int):
+    """The reference and the streamed trainer over the same `steps` batches from the same
+    parameters: (reference state, streamed state, the streamed trainer, a record per step)."""
+    from megatrain_jax import model
+    from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.train import StreamTrainer
+    from megatrain_jax.train.reference import ReferenceTrainer
+
+    data = TokenSource(cfg)
+    params = model.init(cfg.model, jax.random.key(0))
+    ref, stream = ReferenceTrainer(cfg), StreamTrainer(cfg)
+    ref_state, state = ref.init(None, params=params), stream.init(None, params=params)
+    records = []
+    for step in range(steps):
+        batch = data.batch_at(step)
+        ref_state, rm = ref.train_step(ref_state, batch)
+        state, m = stream.train_step(state, batch)
+        records.append({"ref_loss": float(rm["loss"]), "loss": float(m["loss"]),
+                        "grad_norm": float(m["grad_norm"]), "ref_lr": float(rm["lr"]),
+                        "lr": float(m["lr"])})
+    return ref_state, state, stream, records
+
+
 @pytest.fixture
 def tiny_config():
     return tiny

@@ -44,32 +44,20 @@ def losses(run_dir) -> dict:
 def compare(run_dir: str) -> dict:
     import jax
     import numpy as np
-    from conftest import max_rel_error, tiny
+    from conftest import max_rel_error, side_by_side, tiny
     from jax.sharding import NamedSharding
 
-    from megatrain_jax import model
-    from megatrain_jax.io.data import TokenSource
     from megatrain_jax.stream.mesh import state_spec
-    from megatrain_jax.train import StreamTrainer, train
-    from megatrain_jax.train.reference import ReferenceTrainer
+    from megatrain_jax.train import train
 
     out = {"devices": jax.device_count()}
     for name, extra in (("host", []), ("device_resident", ["stream.update=device",
                                                            "stream.resident_layers=1",
                                                            "stream.saved_inputs=pinned_host"])):
         cfg = tiny(*COMPARED, "loop.steps=20", *extra)
-        data = TokenSource(cfg)
-        params = model.init(cfg.model, jax.random.key(0))
-        ref, stream = ReferenceTrainer(cfg), StreamTrainer(cfg)
-        ref_state, state = ref.init(None, params=params), stream.init(None, params=params)
-        ref_losses, stream_losses, norms = [], [], []
-        for step in range(20 if name == "host" else 6):
-            batch = data.batch_at(step)
-            ref_state, rm = ref.train_step(ref_state, batch)
-            state, m = stream.train_step(state, batch)
-            ref_losses.append(float(rm["loss"]))
-            stream_losses.append(float(m["loss"]))
-            norms.append(float(m["grad_norm"]))
+        ref_state, state, stream, records = side_by_side(cfg, 20 if name == "host" else 6)
+        ref_losses, stream_losses, norms = ([r[k] for r in records] for k in (
+            "ref_loss", "loss", "grad_norm"))
         placement = stream.engine.placement
         tree = {"params": state.params, "opt_state": state.opt_state}
         homes = [(placement.is_resident(k), leaf)

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import max_rel_error, tiny
+from conftest import max_rel_error, side_by_side, tiny
 
 from megatrain_jax import model
 from megatrain_jax.config import ConfigError
@@ -81,20 +81,11 @@ def test_twenty_steps_match_reference_with_clipping(update):
     cfg = tiny("model.layers=3", "data.batch_size=4", "data.micro_batches=2", "loop.steps=20",
                "optim.lr=1e-2", "optim.clip_norm=0.6", "schedule.warmup_steps=3",
                *UPDATES[update])
-    data = TokenSource(cfg)
-    params = model.init(cfg.model, jax.random.key(0))
-    ref, stream = ReferenceTrainer(cfg), StreamTrainer(cfg)
-    ref_state = ref.init(None, params=params)
-    state = stream.init(None, params=params)
-    ref_losses, losses, norms = [], [], []
-    for step in range(20):
-        batch = data.batch_at(step)
-        ref_state, rm = ref.train_step(ref_state, batch)
-        state, m = stream.train_step(state, batch)
-        ref_losses.append(float(rm["loss"]))
-        losses.append(float(m["loss"]))
-        norms.append(float(m["grad_norm"]))
-        np.testing.assert_allclose(float(m["lr"]), float(rm["lr"]), rtol=1e-6)
+    ref_state, state, stream, records = side_by_side(cfg, 20)
+    ref_losses, losses, norms = ([r[k] for r in records] for k in ("ref_loss", "loss",
+                                                                   "grad_norm"))
+    np.testing.assert_allclose([r["lr"] for r in records], [r["ref_lr"] for r in records],
+                               rtol=1e-6)
     assert any(n > 0.6 for n in norms) and any(n < 0.6 for n in norms), norms  # clip triggers
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert max_rel_error(state.params, ref_state.params) <= 1e-5

@@ -254,8 +254,14 @@ def test_plan_accepts_7b_at_262144_on_the_h200_box(capsys):
 
 
 def test_plan_refuses_7b_at_524288_with_the_numbers(capsys):
-    code = main(["plan", "7b", "data.batch_size=1", "data.seq_len=524288",
-                 "model.max_seq_len=524288", "--host-gb", "125", "--gpu-gb", "140"])
+    args = ["plan", "7b", "data.batch_size=1", "data.seq_len=524288",
+            "model.max_seq_len=524288"]
+    sizes = ["--host-gb", "125", "--gpu-gb", "140"]
+    assert main([*args, *sizes]) == 1  # split by room (auto): the host's share overflows the host
+    err = capsys.readouterr().err
+    assert "needs 155.2 GiB of host memory" in err
+    assert "Changes that fit: data.seq_len=435200" in err
+    code = main([*args, "stream.saved_inputs=device", *sizes])
     err = capsys.readouterr().err
     assert code == 1
     # All inputs on the GPU overflow it; split by room, the host's share overflows the host,
@@ -265,3 +271,44 @@ def test_plan_refuses_7b_at_524288_with_the_numbers(capsys):
     assert "host memory 155.2 GiB of the host's 125.0" in err
     assert "Changes that fit: data.seq_len=435200" in err
     plan.check_fits(_long(435200), host=125 * GiB, gpu=140 * GiB)
+
+
+def test_saved_inputs_split_between_device_and_host_give_the_same_gradients():
+    """The first k layers' inputs on pinned host, the rest on the device: the gradients are
+    those of all on one side, bit for bit (the inputs only travel)."""
+    from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.stream.placement import memory_kinds
+    from megatrain_jax.train import StreamTrainer
+
+    def step(saved):
+        cfg = tiny("model.layers=4", "data.batch_size=4", "data.micro_batches=2")
+        trainer = StreamTrainer(cfg)
+        trainer.engine.placement.__init__(0, saved_inputs=saved)  # the split under test
+        state = trainer.init(jax.random.key(0))
+        seen = []
+        original = trainer.engine.placement.to_host
+
+        def to_host(tree):  # records each saved input's trip to the host
+            moved = original(tree)
+            if not isinstance(tree, dict) and getattr(tree, "ndim", 0) == 4:
+                seen.append(memory_kinds(moved))
+            return moved
+
+        trainer.engine.placement.to_host = to_host
+        loss, grads, sq, _, _ = trainer.engine.forward_backward(
+            state.params, TokenSource(cfg).batch_at(0))
+        return float(loss), jax.tree.map(np.asarray, grads), float(sq), len(seen)
+
+    device, host, split = step("device"), step("pinned_host"), step(2)
+    assert (device[3], host[3], split[3]) == (0, 4, 2)  # inputs sent to the host
+    for other in (host, split):
+        assert other[0] == device[0] and other[2] == device[2]
+        assert max_rel_error(other[1], device[1]) == 0.0
+
+
+def test_saved_inputs_auto_is_the_split_the_plan_makes():
+    from megatrain_jax.train.trainers import saved_inputs
+
+    assert load_config("7b").stream.saved_inputs == "auto"
+    assert saved_inputs(tiny()) == 0  # no GPU known here: every input stays on the device
+    assert saved_inputs(tiny("stream.saved_inputs=pinned_host")) == "pinned_host"

@@ -74,16 +74,18 @@ class Placement:
     """
 
     def __init__(self, resident_layers: int = 0, device: jax.Device | None = None,
-                 saved_inputs: str = DEVICE_KIND, mesh: Mesh | None = None):
+                 saved_inputs: str | int = DEVICE_KIND, mesh: Mesh | None = None):
         if resident_layers < 0:
             raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
-        if saved_inputs not in (DEVICE_KIND, HOST_KIND):
-            raise ValueError(f"saved_inputs must be '{DEVICE_KIND}' or '{HOST_KIND}', got "
-                             f"{saved_inputs!r}")
+        if saved_inputs not in (DEVICE_KIND, HOST_KIND) and not (
+                isinstance(saved_inputs, int) and saved_inputs >= 0):
+            raise ValueError(f"saved_inputs must be '{DEVICE_KIND}', '{HOST_KIND}' or a count "
+                             f"of layers >= 0, got {saved_inputs!r}")
         self.resident_layers = resident_layers
         # Where the layer inputs saved for the backward wait: the GPU, or pinned host memory
-        # (fetched back ahead of need, like the weights) when the GPU is short of room.
-        self.offload_inputs = saved_inputs == HOST_KIND
+        # (fetched back ahead of need, like the weights) when the GPU is short of room; a
+        # count k puts the first k layers' there, whose inputs the backward needs last.
+        self.host_inputs = {DEVICE_KIND: 0, HOST_KIND: None}.get(saved_inputs, saved_inputs)
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.devices = 1 if self.mesh is None else self.mesh.size
         self.device = (self.mesh.devices.flat[0] if self.mesh is not None
@@ -127,6 +129,10 @@ class Placement:
         if self.resident_layers > num_layers:
             raise ValueError(f"resident_layers ({self.resident_layers}) exceeds the model's "
                              f"{num_layers} layers")
+
+    def input_on_host(self, layer: int) -> bool:
+        """Whether layer `layer`'s saved input waits in pinned host memory for the backward."""
+        return self.host_inputs is None or layer < self.host_inputs
 
     def in_host_memory(self, array) -> bool:
         return isinstance(array, jax.Array) and array.sharding.memory_kind == HOST_KIND

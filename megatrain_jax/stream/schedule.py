@@ -61,7 +61,7 @@ class Schedule:
         for i, w in zip(range(layers), stream):
             tracer.visit("forward", i)
             saved.append(offloads.add(tracer.issued("d2h", f"input {i}", place.to_host(xs)))
-                         if place.offload_inputs else xs)
+                         if place.input_on_host(i) else xs)
             xs = tracer.issued("compute", f"forward {i}", run.layer_forward(w, xs, batch))
             del w
         loss, dxs, dhead, dembed_head, sq = run.head(next(stream), embed, xs, batch, denom)

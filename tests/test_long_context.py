@@ -276,17 +276,21 @@ def test_plan_refuses_7b_at_524288_with_the_numbers(capsys):
 def test_saved_inputs_split_between_device_and_host_give_the_same_gradients():
     """The first k layers' inputs on pinned host, the rest on the device: the gradients are
     those of all on one side, bit for bit (the inputs only travel)."""
+    from megatrain_jax import optim
     from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.stream import StreamEngine
     from megatrain_jax.stream.placement import memory_kinds
-    from megatrain_jax.train import StreamTrainer
+    from megatrain_jax.train.trainers import llama_templates
+
+    cfg = tiny("model.layers=4", "data.batch_size=4", "data.micro_batches=2")
+    params = model.init(cfg.model, jax.random.key(0))
 
     def step(saved):
-        cfg = tiny("model.layers=4", "data.batch_size=4", "data.micro_batches=2")
-        trainer = StreamTrainer(cfg)
-        trainer.engine.placement.__init__(0, saved_inputs=saved)  # the split under test
-        state = trainer.init(jax.random.key(0))
+        engine = StreamEngine(llama_templates(cfg), optim.build_stream_optimizer(cfg),
+                              micro_batches=2, saved_inputs=saved)
+        state = engine.state_from_params(params)
         seen = []
-        original = trainer.engine.placement.to_host
+        original = engine.placement.to_host
 
         def to_host(tree):  # records each saved input's trip to the host
             moved = original(tree)
@@ -294,9 +298,9 @@ def test_saved_inputs_split_between_device_and_host_give_the_same_gradients():
                 seen.append(memory_kinds(moved))
             return moved
 
-        trainer.engine.placement.to_host = to_host
-        loss, grads, sq, _, _ = trainer.engine.forward_backward(
-            state.params, TokenSource(cfg).batch_at(0))
+        engine.placement.to_host = to_host
+        loss, grads, sq, _, _ = engine.forward_backward(state.params,
+                                                        TokenSource(cfg).batch_at(0))
         return float(loss), jax.tree.map(np.asarray, grads), float(sq), len(seen)
 
     device, host, split = step("device"), step("pinned_host"), step(2)

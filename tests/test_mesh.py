@@ -98,14 +98,15 @@ def test_the_nnx_example_runs_on_four_devices():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = [subprocess.run([sys.executable, str(ROOT / "examples" / "nnx_scanned.py"),
-                            "--steps", "4", "--devices", str(n)], env=env, capture_output=True,
-                           text=True, timeout=600) for n in (4, 1)]
-    for d in done:
-        assert d.returncode == 0, d.stderr[-4000:]
-    four_lines, one_lines = (d.stdout.splitlines() for d in done)
-    assert len(four_lines) == 5 and "own forward" in four_lines[-1]
-    assert four_lines == one_lines  # printed to 3 decimals: the same run
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "nnx_scanned.py"),
+                           "--steps", "6", "--devices", "4"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()  # "step   1  loss 6.185  grad_norm 3.283" ...
+    losses = [float(line.split()[3]) for line in lines[:-1]]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, lines
+    # The weights written back into the model, sharded over the 4 devices, run its own forward.
+    assert "the model's own forward on the last batch" in lines[-1]
 
 
 def _free_port() -> int:

@@ -127,7 +127,7 @@ class StreamConfig:
     the update runs, and how many layers stay in GPU memory instead of streaming."""
 
     prefetch_depth: int = 2
-    saved_inputs: str = "auto"  # auto: on the GPU while it has room, the first layers' on host
+    saved_inputs: str = "device"
     loss_chunk: int = 1024  # tokens of the sequence per cross-entropy chunk
     host_memory_gb: float = 0.0  # pinned pool; 0: sized from the model
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
@@ -195,7 +195,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention": ("auto", "xla", "cudnn", "blockwise"),
     "optim.name": ("adamw", "adam", "lion", "sgd"),
     "schedule.kind": ("cosine", "linear", "constant"),
-    "stream.saved_inputs": ("auto", "device", "pinned_host"),
+    "stream.saved_inputs": ("device", "pinned_host"),
     "stream.update": ("auto", "host", "device"),
     "stream.speculate": ("off", "auto", "on"),
     "stream.grad_dtype": ("float32", "bfloat16"),

@@ -115,8 +115,8 @@ def describe(cfg: Config, room: int | None) -> list[str]:
         on_gpu, on_host = saved_split(cfg, room)
         lines.append(f"  split by GPU room     {on_gpu} layers' inputs on the GPU "
                      f"({on_gpu * per / GiB:.2f} GiB), {on_host} on pinned host "
-                     f"({on_host * per / GiB:.2f} GiB), as stream.saved_inputs=auto "
-                     "places them")
+                     f"({on_host * per / GiB:.2f} GiB), as stream.saved_inputs=auto is to "
+                     "place them")
     lines.append("  per-layer working set (one micro-batch, the layer's backward):")
     for name, n in acts["working_set"].items():
         lines.append(f"    {name:22s}{n / GiB:8.2f} GiB")

@@ -228,14 +228,14 @@ def _with(cfg: Config, section: str, **values) -> Config:
 def _split_note(cfg: Config, host: int | None, gpu: int) -> str:
     """Where stream.saved_inputs=auto would put the inputs, and whether the host holds its
     share."""
-    if cfg.stream.saved_inputs != "device":  # auto has split them already
+    if cfg.stream.saved_inputs != "device":
         return ""
     on_gpu, on_host = activations.saved_split(cfg, saved_inputs_room(cfg, gpu))
     if not on_host or not on_gpu:
         return ""
     split = estimate(_with(cfg, "stream", saved_inputs="auto"), gpu)
     verdict = "" if host is None else f" of the host's {host / GiB:.1f}"
-    return (f" Split by GPU room (stream.saved_inputs=auto), {on_gpu} layers' inputs "
+    return (f" Split by GPU room (stream.saved_inputs=auto, to come), {on_gpu} layers' inputs "
             f"stay on the GPU and {on_host} ({split['host']['saved_inputs'] / GiB:.1f} GiB) "
             f"go to pinned host: host memory {split['host_total'] / GiB:.1f} GiB{verdict}.")
 

@@ -58,7 +58,7 @@ class StreamTrainer:
         self.engine = StreamEngine(
             llama_templates(cfg), optim.build_stream_optimizer(cfg),
             clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
-            saved_inputs=saved_inputs(cfg), micro_batches=cfg.data.micro_batches,
+            saved_inputs=cfg.stream.saved_inputs, micro_batches=cfg.data.micro_batches,
             learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
             speculate=cfg.stream.speculate, mesh=mesh_for(cfg),
         )
@@ -95,17 +95,6 @@ class StreamTrainer:
     def from_tree(self, tree: dict, step: int, record: dict | None = None) -> StreamState:
         return StreamState(tree["params"], tree["opt_state"], step,
                            last_grad_norm=(record or {}).get("last_grad_norm"))
-
-
-def saved_inputs(cfg: Config) -> str | int:
-    """stream.saved_inputs for the engine: `auto` as the count of first layers whose inputs
-    wait on pinned host, the rest staying on the GPU while it has room (tools/plan.py)."""
-    if cfg.stream.saved_inputs != "auto":
-        return cfg.stream.saved_inputs
-    from megatrain_jax.tools import activations, plan
-
-    room = plan.saved_inputs_room(cfg, plan.gpu_memory_bytes())
-    return activations.saved_split(cfg, room)[1]
 
 
 def mesh_for(cfg: Config):

@@ -212,8 +212,7 @@ def execute(run: Run, tree: tuple[str, Path], out: Path, timeout: float,
         try:
             rc = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)  # the run and anything it started
-            rc = child.wait()
+            rc = _stop(child)
             print(f"   killed after {timeout:.0f} s", file=log)
     seconds = time.perf_counter() - start
     if rc != 0:
@@ -225,6 +224,21 @@ def execute(run: Run, tree: tuple[str, Path], out: Path, timeout: float,
             "log": f"{stem}.log",
             "command": shlex.join(["python", *argv[1:]]), "cwd": str(path),
             "pythonpath": str(path)}
+
+
+def _stop(child: subprocess.Popen) -> int:
+    """Ends a run and anything it started. SIGTERM first: torchrun starts its workers in
+    sessions of their own and stops them on SIGTERM, where a SIGKILL would orphan them."""
+    os.killpg(child.pid, signal.SIGTERM)
+    try:
+        rc = child.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        rc = None
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # whatever is left of the run's group
+    except ProcessLookupError:
+        pass
+    return child.wait() if rc is None else rc
 
 
 def publish(out: Path) -> str:

@@ -47,6 +47,8 @@ def main() -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world)
     torch.cuda.set_device(local)
     torch.manual_seed(args.seed)
+    if world > 1:  # torchrun sets OMP_NUM_THREADS=1 per rank: the CPU optimizer's share of cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
     config = torch_common.llama_config(args.shape, args.seq)
     t0 = time.perf_counter()

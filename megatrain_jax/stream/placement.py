@@ -54,14 +54,11 @@ def memory_kinds(tree) -> set[str]:
     return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}
 
 
-def placed_shapes(tree, sharding) -> object:
-    """ShapeDtypeStructs of `tree`'s leaves with `sharding` (one, or a tree of them): a target
-    to restore into."""
-    if not isinstance(sharding, jax.sharding.Sharding):
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            tree, sharding)
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                        tree)
+def placed_shapes(tree, shardings) -> object:
+    """ShapeDtypeStructs of `tree`'s leaves with `shardings` (a tree of the same structure):
+    a target to restore into."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        tree, shardings)
 
 
 class Placement:
@@ -108,7 +105,7 @@ class Placement:
             return tree
         return jax.lax.with_sharding_constraint(tree, self.shardings(tree, DEVICE_KIND))
 
-    def batch_sharding(self, ndim: int) -> Sharding:
+    def batch_sharding(self) -> Sharding:
         """Where a micro-batched array [M, rows, ...] of the batch lives: its rows split."""
         if self.mesh is None:
             return SingleDeviceSharding(self.device, memory_kind=DEVICE_KIND)
@@ -149,8 +146,7 @@ class Placement:
 
     def place_batch(self, micro_batches: dict) -> dict:
         """Micro-batched arrays [M, rows, ...] (whole, in host memory) on the devices."""
-        return jax.tree.map(lambda a: _from_whole(a, self.batch_sharding(a.ndim)),
-                            micro_batches)
+        return jax.tree.map(lambda a: _from_whole(a, self.batch_sharding()), micro_batches)
 
     def to_host(self, tree):
         """Starts device -> host copies; returns at once (the copies complete asynchronously)."""

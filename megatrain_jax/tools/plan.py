@@ -12,6 +12,7 @@ memory is read from nvidia-smi, so that JAX need not start to know it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 
@@ -84,8 +85,13 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
 def planned_devices(cfg: Config) -> int:
     """The GPUs a run uses: mesh.data, or (0) every GPU nvidia-smi lists; 1 without any.
     The plan is per GPU, for one process."""
-    if cfg.mesh.data:
-        return cfg.mesh.data
+    return cfg.mesh.data or gpu_count()
+
+
+@functools.cache
+def gpu_count() -> int:
+    """The GPUs nvidia-smi lists (asked once: the fitting searches estimate many configs);
+    1 without any."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)

@@ -65,7 +65,8 @@ class ReferenceTrainer:
         """{"params", "opt_state"}: shapes and placement (on the device), a restore target."""
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         state = jax.eval_shape(lambda: self.init(jax.random.key(0)))
-        return placed_shapes(self.state_tree(state), sharding)
+        tree = self.state_tree(state)
+        return placed_shapes(tree, jax.tree.map(lambda _: sharding, tree))
 
     def state_tree(self, state: TrainState) -> dict:
         """What a checkpoint holds, the same for both trainers."""

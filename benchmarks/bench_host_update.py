@@ -80,7 +80,7 @@ def main() -> None:
     jax.block_until_ready(arrays)
     views = [host_adamw.writable(a) for a in arrays]
     scalars = (f(1.0), f(0.9), f(0.1), f(0.95), f(0.05), f(1e-8), f(0.1), f(0.05), f(-1e-5),
-               f(0.01))
+               f(0.01), False)  # fp32 moments: bias corrections divide
 
     kernels = _kernels(numba, host_adamw._numba_kernel())
 

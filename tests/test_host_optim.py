@@ -46,7 +46,7 @@ def test_writable_view_writes_into_the_array_without_a_copy():
     halves = Placement().to_host(jnp.ones(3, jnp.bfloat16))
     bits = writable(halves)  # bf16 as its bits (the view lives only as long as `halves`)
     assert bits.dtype == np.uint16 and list(bits) == [0x3F80] * 3
-    with pytest.raises(TypeError, match="float32, int32 and bfloat16"):
+    with pytest.raises(TypeError, match="float32, int32, bfloat16 and uint8"):
         writable(Placement().to_host(jnp.ones(3, jnp.float16)))
 
 

@@ -154,6 +154,7 @@ class _Watched:
 
     def __init__(self, host):
         self.host, self.writes, self.bounds = host, 0, {}
+        self.can_undo = host.can_undo
 
     def _check(self, params, opt_state):
         self.writes += 1

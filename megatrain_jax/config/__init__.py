@@ -17,6 +17,8 @@ from megatrain_jax.config.load import (
 from megatrain_jax.config.schema import (
     CHOICES,
     HOST_OPTIMIZERS,
+    MOMENT_BLOCK,
+    STATE_DTYPES,
     Config,
     ConfigError,
     DataConfig,
@@ -31,8 +33,9 @@ from megatrain_jax.config.schema import (
 )
 
 __all__ = [
-    "CHOICES", "HOST_OPTIMIZERS", "Config", "ConfigError", "DataConfig", "LoopConfig", "MeshConfig",
-    "ModelConfig", "OptimConfig", "RopeScaling", "ScheduleConfig", "StreamConfig",
+    "CHOICES", "HOST_OPTIMIZERS", "MOMENT_BLOCK", "Config", "ConfigError", "DataConfig",
+    "LoopConfig", "MeshConfig", "ModelConfig", "OptimConfig", "RopeScaling", "STATE_DTYPES",
+    "ScheduleConfig", "StreamConfig",
     "apply_overrides", "from_dict", "load_config", "load_run_config", "resolve_config_path",
     "save_config", "shipped_configs", "to_dict", "validate",
 ]

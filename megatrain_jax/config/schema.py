@@ -91,6 +91,9 @@ class OptimConfig:
     weight_decay: float = 0.1
     momentum: float = 0.9
     clip_norm: float = 1.0
+    # Adam's moments as stored: float32 (8 B/param), bfloat16 (4) or int8 (8-bit codes with a
+    # scale per block of 256: about 2.03). Weights and arithmetic stay fp32 (optim/compact.py).
+    state_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.compute_dtype": ("bfloat16", "float32"),
     "model.attention": ("auto", "xla", "cudnn", "blockwise"),
     "optim.name": ("adamw", "adam", "lion", "sgd"),
+    "optim.state_dtype": ("float32", "bfloat16", "int8"),
     "schedule.kind": ("cosine", "linear", "constant"),
     "stream.saved_inputs": ("device", "pinned_host"),
     "stream.update": ("auto", "host", "device"),
@@ -208,6 +212,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # Optimizers with an in-place host kernel (megatrain_jax.optim.host_adamw); the others update on
 # the device.
 HOST_OPTIMIZERS = ("adamw", "adam")
+# How Adam's moments may be stored (megatrain_jax.optim.compact), and the values of a row that
+# share one scale in int8.
+STATE_DTYPES = CHOICES["optim.state_dtype"]
+MOMENT_BLOCK = 256
 
 
 
@@ -247,6 +255,13 @@ def validate(cfg: Config) -> Config:
         (s.update != "host" or cfg.optim.name in HOST_OPTIMIZERS,
          f"stream.update=host has kernels for optim.name {' and '.join(HOST_OPTIMIZERS)}, not "
          f"'{cfg.optim.name}'; use stream.update=device (any Optax transformation) or auto"),
+        (cfg.optim.state_dtype == "float32" or cfg.optim.name in ("adamw", "adam"),
+         f"optim.state_dtype={cfg.optim.state_dtype} stores Adam's two moments: it applies to "
+         f"optim.name adamw or adam, not '{cfg.optim.name}'"),
+        (cfg.optim.state_dtype == "float32" or s.speculate != "on",
+         f"stream.speculate=on undoes wrong guesses exactly, which {cfg.optim.state_dtype} "
+         "moments (rounded when stored) do not allow: use stream.speculate=off or auto, or "
+         "optim.state_dtype=float32"),
         (cfg.mesh.data >= 0, "mesh.data must be >= 0 (0: every device)"),
         (cfg.loop.steps > 0, "loop.steps must be > 0"),
         (cfg.loop.checkpoint_every >= 0, "loop.checkpoint_every must be >= 0 (0: none)"),

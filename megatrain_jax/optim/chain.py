@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from megatrain_jax.config import HOST_OPTIMIZERS, Config
+from megatrain_jax.optim.compact import compact_adam
 
 
 def learning_rate(cfg: Config) -> optax.Schedule:
@@ -40,6 +41,9 @@ def decay_mask(params):
 def build_optimizer(cfg: Config) -> optax.GradientTransformation:
     o = cfg.optim
     lr = learning_rate(cfg)
+    if o.state_dtype != "float32":  # validate() allowed it for adamw and adam only
+        wd = o.weight_decay if o.name == "adamw" else 0.0
+        return compact_adam(lr, o.b1, o.b2, o.eps, wd, decay_mask, o.state_dtype)
     if o.name == "adamw":
         return optax.adamw(lr, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask)
     if o.name == "adam":
@@ -62,7 +66,8 @@ def build_stream_optimizer(cfg: Config):
     if where == "device" or o.name not in HOST_OPTIMIZERS:
         return build_optimizer(cfg)
     wd = o.weight_decay if o.name == "adamw" else 0.0
-    return HostAdamW(learning_rate(cfg), o.b1, o.b2, o.eps, weight_decay=wd, mask=decay_mask)
+    return HostAdamW(learning_rate(cfg), o.b1, o.b2, o.eps, weight_decay=wd, mask=decay_mask,
+                     state_dtype=o.state_dtype)
 
 
 def sum_of_squares(tree):

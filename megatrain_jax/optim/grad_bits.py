@@ -18,17 +18,21 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def numba_tools() -> tuple | None:
-    """(numba, widen) for the host kernels, or None where numba does not import."""
+    """(numba, widen, store) for the host kernels, or None where numba does not import."""
     try:
         import numba
     except ImportError:
         return None
-    return numba, numba_widen()
+    return numba, *numba_widen_store()
 
 
-def numba_widen() -> Callable:
-    """A numba function for the kernels' gradient reads: an fp32 value as it is, bf16 bits
-    (uint16) widened to the fp32 of the same value (a bit cast of bits << 16)."""
+def numba_widen_store() -> tuple[Callable, Callable]:
+    """Two numba functions for the kernels' reads and writes of fp32 or bf16 arrays.
+
+    widen(x): an fp32 value as it is, bf16 bits (uint16) widened to the fp32 of the same
+    value (a bit cast of bits << 16). store(a, i, x): a[i] = x, an fp32 `x` rounded to the
+    nearest bf16 (ties to even, as XLA's and ml_dtypes' casts round) where `a` holds bf16 bits.
+    """
     import numba
     from llvmlite import ir
     from numba.extending import intrinsic, overload
@@ -39,6 +43,12 @@ def numba_widen() -> Callable:
             return builder.bitcast(args[0], ir.FloatType())
         return numba.types.float32(numba.types.uint32), codegen
 
+    @intrinsic
+    def bits_from_f32(typingctx, value):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+        return numba.types.uint32(numba.types.float32), codegen
+
     def widen(x):
         return x
 
@@ -48,4 +58,20 @@ def numba_widen() -> Callable:
             return lambda x: f32_from_bits(numba.uint32(x) << numba.uint32(16))
         return lambda x: x
 
-    return widen
+    def store(a, i, x):
+        a[i] = x
+
+    @overload(store, inline="always")
+    def _store(a, i, x):
+        if isinstance(a.dtype, numba.types.Integer):
+            def to_bf16(a, i, x):
+                bits = bits_from_f32(numba.float32(x))
+                odd = (bits >> numba.uint32(16)) & numba.uint32(1)
+                a[i] = numba.uint16((bits + (numba.uint32(0x7FFF) + odd)) >> numba.uint32(16))
+            return to_bf16
+
+        def plain(a, i, x):
+            a[i] = x
+        return plain
+
+    return widen, store

@@ -94,6 +94,9 @@ class StreamEngine:
         # A HostAdamW updates in place on the host; any other transformation on the device.
         self.host_optimizer = optimizer if isinstance(optimizer, HostAdamW) else None
         self.optimizer = optimizer.optax if self.host_optimizer else optimizer
+        if speculate == "on" and self.host_optimizer and not self.host_optimizer.can_undo:
+            raise ValueError(f"speculate='on' needs an exact undo, which "
+                             f"{self.host_optimizer.state_dtype} moments do not allow")
         self.micro_batches = micro_batches
         self.learning_rate = learning_rate
         self.programs = build_programs(templates, self.optimizer, clip_norm, self.placement)
@@ -169,7 +172,8 @@ class StreamEngine:
         start = time.perf_counter()
         update, on_gradient = None, None
         if self.host_optimizer is not None:
-            guess = policy(self.speculate, self.clip_norm, state.last_grad_norm)
+            guess = self.host_optimizer.can_undo and policy(self.speculate, self.clip_norm,
+                                                            state.last_grad_norm)
             update = StepUpdate(self.host_optimizer, self.clip_norm, guess, tracer, before_write)
             on_gradient = self._guesser(state, update) if guess else None
         loss, grads, sq, skip, scale = self.forward_backward(state._params, batch,

@@ -16,13 +16,30 @@ import functools
 import os
 import subprocess
 
-from megatrain_jax.config import Config, ConfigError, auto, load_config, shipped_configs
+from megatrain_jax.config import (
+    MOMENT_BLOCK,
+    Config,
+    ConfigError,
+    auto,
+    load_config,
+    shipped_configs,
+)
 from megatrain_jax.io import array_files, checkpoint
 from megatrain_jax.tools import activations
 from megatrain_jax.tools.roofline import gradient_bytes  # plain arithmetic, no JAX
 
 GiB = 2**30
 OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
+
+
+def optimizer_bytes(cfg: Config) -> float:
+    """Bytes of optimizer state per parameter: fp32 moments, or Adam's in
+    optim.state_dtype (optim/compact.py; vectors keep fp32, a negligible share)."""
+    if cfg.optim.state_dtype == "bfloat16":
+        return 4.0
+    if cfg.optim.state_dtype == "int8":
+        return 2 * (1 + 4 / MOMENT_BLOCK)  # a byte per value, an fp32 scale per block
+    return 4.0 * OPT_STATE_FLOATS[cfg.optim.name]
 
 
 def estimate(cfg: Config, gpu: int | None = None) -> dict:
@@ -32,7 +49,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     params = m.num_params
     layer = m.params_per_layer
     resident = s.resident_layers * layer  # parameters whose state lives on the GPU
-    state_floats = 1 + OPT_STATE_FLOATS[cfg.optim.name]
+    state = 4 + optimizer_bytes(cfg)  # weights and optimizer state, bytes per parameter
     # Per GPU of a mesh of n: a 1/n shard of every part and of the rows of the batch; the
     # computing part's weights gathered whole, and its gradient whole until scattered.
     n = planned_devices(cfg) if cfg.loop.trainer == "stream" else 1
@@ -49,7 +66,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
         "saved_inputs": 0,
         "workspace": acts["working_set_total"],
         # Weights, optimizer state and the step's gradients of the resident layers.
-        "resident_layers": 4 * (state_floats + 1) * resident // n,
+        "resident_layers": int((state + 4) * resident) // n,
     }
     room = None
     if s.saved_inputs == "auto":
@@ -60,7 +77,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     saved_on_host *= n  # every GPU's share, in the one host
     host = {
         "master_weights": 4 * (params - resident),
-        "optimizer_state": 4 * OPT_STATE_FLOATS[cfg.optim.name] * (params - resident),
+        "optimizer_state": int(optimizer_bytes(cfg) * (params - resident)),
         "gradients": int(gradient_bytes(cfg) * (params - resident)),
         "saved_inputs": saved_on_host,
         # Beyond the state: the JAX runtime, allocator rounding and the trainer's own arrays;
@@ -76,7 +93,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
         # A save copies the state held in GPU memory to the host (host state is written from
         # its own buffers) and reads back through one chunk buffer per thread.
         on_device = params if cfg.loop.trainer == "reference" else resident
-        host["checkpoint_copies"] = 4 * state_floats * on_device + \
+        host["checkpoint_copies"] = int(state * on_device) + \
             checkpoint.THREADS * array_files.CHUNK
     return {"host": host, "device": device, "host_total": sum(host.values()),
             "device_total": sum(device.values()), "devices": n}
@@ -269,7 +286,7 @@ def set_pool_env(cfg: Config) -> None:
 
 def checkpoint_bytes(cfg: Config) -> int:
     """Bytes of one checkpoint: the fp32 weights and optimizer state of every parameter."""
-    return 4 * (1 + OPT_STATE_FLOATS[cfg.optim.name]) * cfg.model.num_params
+    return int((4 + optimizer_bytes(cfg)) * cfg.model.num_params)
 
 
 def checkpoint_disk(cfg: Config) -> dict:

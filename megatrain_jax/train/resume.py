@@ -92,6 +92,13 @@ def check_continues(cfg: Config, meta: dict, folder: Path) -> None:
                            for k in differ[:5])
         raise CheckpointError(f"checkpoint {folder} is of another model ({detail}). Use "
                               "another loop.run_dir, or move its checkpoints away.")
+    stored = saved.get("optim", {}).get("state_dtype", "float32")
+    if saved and stored != cfg.optim.state_dtype:
+        raise CheckpointError(
+            f"checkpoint {folder} holds {stored} optimizer moments and this run asks for "
+            f"optim.state_dtype={cfg.optim.state_dtype}: the moments cannot change form on "
+            f"resume. Resume with optim.state_dtype={stored}, or start in another "
+            "loop.run_dir.")
     step = meta["step"]
     old = _saved_config(cfg, saved)
     if step >= cfg.loop.steps:

@@ -1,0 +1,109 @@
+"""Training quality with compact optimizer moments: the same run with float32, bfloat16 and
+int8 moments (optim.state_dtype), its loss curves plotted and its final losses compared.
+
+    python benchmarks/state_dtype_quality.py demo --out benchmarks/results/DATE_cpu
+    python benchmarks/state_dtype_quality.py demo --name long loop.steps=600 model.layers=6
+
+Writes OUT/state_dtypes_NAME.json (every logged loss of each mode, the final train loss as
+the mean of the last `--tail` logged steps, the final validation loss) and
+OUT/state_dtypes_NAME.png (needs matplotlib: pip install 'megatrain-jax[report]'), and
+prints a table. Each mode trains in a run folder of its own under OUT/runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+MODES = ("float32", "bfloat16", "int8")
+
+
+def run(config: str, overrides: list[str], out: Path, name: str) -> dict:
+    from megatrain_jax.config import load_config
+    from megatrain_jax.train import train
+
+    results = {}
+    for mode in MODES:
+        run_dir = out / "runs" / f"{name}_{mode}"
+        cfg = load_config(config, [*overrides, f"optim.state_dtype={mode}", "loop.log_every=1",
+                                   "loop.progress=none", "loop.tensorboard=off",
+                                   f"loop.run_dir={run_dir}"])
+        train(cfg)
+        records = _lines(run_dir / "metrics.jsonl")
+        evals = _lines(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").exists() else []
+        results[mode] = {"steps": [r["step"] for r in records],
+                         "loss": [r["loss"] for r in records],
+                         "val": [(r["step"], r["loss"]) for r in evals]}
+    return results
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(results: dict, tail: int) -> list[dict]:
+    rows = []
+    base = None
+    for mode, r in results.items():
+        final = sum(r["loss"][-tail:]) / len(r["loss"][-tail:])
+        val = r["val"][-1][1] if r["val"] else None
+        base = base or (final, val)
+        rows.append({"mode": mode, "final_loss": final, "final_val_loss": val,
+                     "vs_float32": final / base[0] - 1,
+                     "val_vs_float32": (val / base[1] - 1) if val and base[1] else None})
+    return rows
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, r in results.items():
+        ax.plot(r["steps"], r["loss"], label=f"{mode} moments", linewidth=1)
+        if r["val"]:
+            ax.plot(*zip(*r["val"]), "o--", markersize=3, linewidth=0.8,
+                    color=ax.lines[-1].get_color())
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (lines: train; dots: validation)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--name", default=None, help="the run's name (default: the config's)")
+    parser.add_argument("--out", type=Path, default=Path("build/state_dtypes"))
+    parser.add_argument("--tail", type=int, default=10, help="steps the final loss averages")
+    args = parser.parse_args()
+    name = args.name or Path(args.config).stem
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run(args.config, args.overrides, args.out, name)
+    rows = summarize(results, args.tail)
+    record = {"config": args.config, "overrides": args.overrides, "rows": rows,
+              "curves": results}
+    (args.out / f"state_dtypes_{name}.json").write_text(json.dumps(record, indent=1))
+    try:
+        plot(results, args.out / f"state_dtypes_{name}.png",
+             f"{name}: {args.config} {' '.join(args.overrides)}")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'megatrain-jax[report]')")
+    print(f"| {name} | final train loss (last {args.tail}) | vs float32 | final val loss "
+          "| vs float32 |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        val = f"{r['final_val_loss']:.4f}" if r["final_val_loss"] else "-"
+        val_vs = f"{100 * r['val_vs_float32']:+.2f}%" if r["val_vs_float32"] is not None else "-"
+        print(f"| {r['mode']} | {r['final_loss']:.4f} | {100 * r['vs_float32']:+.2f}% | {val} "
+              f"| {val_vs} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -63,12 +63,15 @@ def main() -> None:
     sizes = [int(b) for b in args.sweep.split(",") if b] or [cfg.data.batch_size]
     cfg = load_config(args.config, [*args.overrides, f"data.batch_size={max(sizes)}"])
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    plan.set_pool_env(cfg)
+    plan.set_pool_env(cfg, measuring=not args.no_roofline)
 
     import jax
 
+    from megatrain_jax.tools.machine import host_rss_now_bytes
     from megatrain_jax.train import make_trainer
 
+    jax.devices()  # the backend up: what the process holds before any state
+    rss_start = host_rss_now_bytes()
     trainer = make_trainer(cfg)
     t0 = time.perf_counter()
     state = trainer.init(jax.random.key(cfg.loop.seed))
@@ -79,6 +82,7 @@ def main() -> None:
         run_cfg = load_config(args.config, [*args.overrides, f"data.batch_size={size}"])
         state, result = run(run_cfg, trainer, state, args)
         result["init_s"] = init_seconds
+        result["host_rss_start_gib"] = rss_start / 2**30
         results.append(result)
     emit(results if args.sweep else results[0], args.out)
 
@@ -132,6 +136,10 @@ def run(cfg, trainer, state, args):
     peak = peak_flops()
     host_kinds = memory_kinds((state.params, state.opt_state)) if engine else set()
     rss = host_rss_bytes()
+    # The state's own bytes in host memory (weights, optimizer state): the RSS beyond them
+    # and the gradients is the runtime's overhead.
+    state_bytes = sum(a.nbytes for a in jax.tree.leaves((state.params, state.opt_state))
+                      if engine is not None and engine.placement.in_host_memory(a))
     roofline = {}
     if engine is not None and not args.no_roofline:
         # The optimizer's rate: this model's whole update timed alone in the synced steps
@@ -171,6 +179,7 @@ def run(cfg, trainer, state, args):
         "model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
         "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
         "peak_host_rss_gib": rss / 2**30, "host_bytes_per_param": rss / p,
+        "host_state_gib": state_bytes / 2**30,
         "losses": losses, "grad_norms": norms,
         "speculated_parts": [g for g, _ in guesses], "rolled_back_parts": [r for _, r in guesses],
         "update": "host" if getattr(engine, "host_optimizer", None) else "device",

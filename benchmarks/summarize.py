@@ -94,8 +94,10 @@ def _row(run: dict) -> str:
     losses = r.get("losses") or [float("nan")]
     phases = (r.get("phase_seconds_synced") or [{}])[-1]
     split = " ".join(f"{k} {v:.2f}" for k, v in phases.items() if not k.endswith("_wait"))
+    host = (f"; host state {r['host_state_gib']:.1f} GiB, at start "
+            f"{r['host_rss_start_gib']:.1f}" if "host_state_gib" in r else "")
     return (" ".join(f"{c:>8s}" for c in cells)
-            + f"  {losses[0]:.2f}->{losses[-1]:.2f}" + (f"; {split}" if split else ""))
+            + f"  {losses[0]:.2f}->{losses[-1]:.2f}" + (f"; {split}" if split else "") + host)
 
 
 def _gib(value) -> str:

@@ -184,7 +184,7 @@ def _plan_rates(args, cfg):
         return roofline.scaled(rates, cfg.data.tokens_per_step / measured_tokens)
     if not args.measure:
         return None
-    planner.set_pool_env(cfg)
+    planner.set_pool_env(cfg, measuring=True)
     from megatrain_jax.tools.roofline import measure_rates  # starts JAX
 
     return measure_rates(cfg)

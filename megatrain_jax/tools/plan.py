@@ -136,17 +136,23 @@ def host_memory_available() -> int | None:
     return None
 
 
-def pinned_pool_bytes(cfg: Config) -> int:
-    """The pinned host pool to ask XLA for: host state plus a margin for transfers."""
+# Pinned bytes beyond the state: transfers' staging and the allocator's rounding.
+POOL_MARGIN = 2 * GiB
+
+
+def pinned_pool_bytes(cfg: Config, measuring: bool = False) -> int:
+    """The pinned host pool to ask XLA for: the host state, a margin, and with `measuring`
+    room for the rate measurement's copies (plan --measure, bench_step).
+
+    XLA's host allocator grows its regions by doubling up to this cap, and pinned memory is
+    resident once allocated: the process holds about the whole pool once the state fills
+    most of it. A tight cap is host memory kept for everything else."""
     if cfg.stream.host_memory_gb:
         return int(cfg.stream.host_memory_gb * GiB)
     host = estimate(cfg)["host"]
     pinned = sum(n for name, n in host.items()
                  if name not in ("runtime_overhead", "checkpoint_copies"))  # not pinned
-    # The pool is a cap, but a larger one lets the allocator's regions grow past the state
-    # (measured: 2 GiB more RSS at 7b): the measurement's room is added only where the
-    # state's own margin lacks it, as when every layer lives on the GPU.
-    return max(int(pinned * 1.1) + 2 * GiB, pinned + measurement_bytes(cfg) + 2 * GiB)
+    return pinned + POOL_MARGIN + (measurement_bytes(cfg) if measuring else 0)
 
 
 # The roofline's measurement (`plan --measure`, bench_step) times the link on pinned copies of
@@ -278,9 +284,9 @@ def largest_fitting(cfg: Config, host: int | None, gpu: int | None):
     return best
 
 
-def set_pool_env(cfg: Config) -> None:
+def set_pool_env(cfg: Config, measuring: bool = False) -> None:
     """Sizes XLA's pinned host pool before JAX starts; a value already in the environment wins."""
-    gib = pinned_pool_bytes(cfg) // GiB + 1
+    gib = pinned_pool_bytes(cfg, measuring) // GiB + 1
     os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(gib))
 
 

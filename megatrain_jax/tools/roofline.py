@@ -206,7 +206,7 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     params = state.params
     # The link is timed from pinned host memory, as the engine streams: resident layers
     # (already on the device, where a transfer would be a no-op) are copied there first.
-    # The pinned pool is sized with room for these copies (plan.measurement_bytes).
+    # The pinned pool is sized with room for these copies (plan.measurement_bytes, measuring).
     layers = block(place.to_host(params["layers"][: plan.MEASURED_LAYERS]))
     nbytes = sum(a.nbytes for a in jax.tree.leaves(layers))
     h2d = median_seconds(lambda: block(place.to_device(layers)))

@@ -59,6 +59,24 @@ UNSIGNED_MID = ((UNSIGNED[1:] + UNSIGNED[:-1]) / np.float32(2)).astype(np.float3
 SIGNED_ZERO = int(np.flatnonzero(SIGNED == 0)[0])
 
 
+def code_starts(mid: np.ndarray) -> np.ndarray:
+    """For the host kernel: per value of an fp32's top 16 bits, the count of midpoints below
+    every value with those bits. A value's code is this start, plus one where the next
+    midpoint is below the value: a bucket of values (1/128 of an octave) never holds two
+    midpoints, whose gaps are wider (checked here)."""
+    keys = np.arange(1 << 16, dtype=np.uint32)
+    lowest = np.where(keys < 0x8000, keys << 16, (keys << 16) | 0xFFFF).view(np.float32)
+    highest = np.where(keys < 0x8000, (keys << 16) | 0xFFFF, keys << 16).view(np.float32)
+    finite = np.isfinite(lowest) & np.isfinite(highest)
+    starts = np.searchsorted(mid, np.where(finite, lowest, 0.0), side="left")
+    ends = np.searchsorted(mid, np.where(finite, highest, 0.0), side="left")
+    assert np.all(ends - starts <= 1), "a bucket holds two midpoints: use more bits"
+    return starts.astype(np.uint8)
+
+
+SIGNED_STARTS, UNSIGNED_STARTS = code_starts(SIGNED_MID), code_starts(UNSIGNED_MID)
+
+
 class Int8Moment(NamedTuple):
     """One matrix's moment in 8 bits: `codes` [..., F] index the table, `scales`
     [..., ceil(F / BLOCK)] are each block's largest magnitude."""
@@ -119,7 +137,9 @@ def store(xp, value, like, signed: bool):
         value = xp.sqrt(value)
     blocks = _per_block(xp, value)
     scales = xp.max(xp.abs(blocks), axis=-1)
-    unit = blocks / xp.where(scales > 0, scales, np.float32(1))[..., None]
+    # A product with the scale's reciprocal: the same in every program (XLA may or may not
+    # turn a division by a broadcast into one) and in the host kernel.
+    unit = blocks * (np.float32(1) / xp.where(scales > 0, scales, np.float32(1)))[..., None]
     codes = xp.searchsorted(xp.asarray(SIGNED_MID if signed else UNSIGNED_MID), unit)
     if not signed:  # a nonzero nu keeps a nonzero code
         codes = xp.where((codes == 0) & (unit > 0), 1, codes)

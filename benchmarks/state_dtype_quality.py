@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODES = ("float32", "bfloat16", "int8")
 
@@ -82,7 +85,7 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="the run's name (default: the config's)")
     parser.add_argument("--out", type=Path, default=Path("build/state_dtypes"))
     parser.add_argument("--tail", type=int, default=10, help="steps the final loss averages")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     name = args.name or Path(args.config).stem
     args.out.mkdir(parents=True, exist_ok=True)
     results = run(args.config, args.overrides, args.out, name)

@@ -126,7 +126,6 @@ def test_streamed_matches_the_reference_with_compact_moments(state_dtype):
     # stored moment rounds them to its own grid, so now and then one lands a grid step
     # apart, which moves that weight by about lr times the step's share of the update.
     error = max_rel_error(state.params, ref_state.params)
-    print(state_dtype, error)
     assert error <= 2e-4
     assert memory_kinds(state.opt_state["layers"][1]) == {"pinned_host"}
     moments = _moment_bytes(map_parts(lambda s: (s[0].mu, s[0].nu), state.opt_state))

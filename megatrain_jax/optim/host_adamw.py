@@ -191,7 +191,7 @@ class HostAdamW:
         self.can_undo = state_dtype == "float32"
         self._pool = None if numba_kernel else ThreadPoolExecutor(threads or os.cpu_count())
         self._lr_cache: tuple[int, np.float32] | None = None
-        self._bc_cache: tuple[tuple, tuple] | None = None
+        self._bc_cache: tuple[int, tuple] | None = None
         if state_dtype != "float32":
             self.optax = compact.compact_adam(learning_rate, b1, b2, eps, weight_decay, mask,
                                               state_dtype)
@@ -206,21 +206,20 @@ class HostAdamW:
             self._lr_cache = (count, np.float32(self.learning_rate(count)))
         return self._lr_cache[1]
 
-    def _bias_corrections(self, count: int, reciprocal: bool) -> tuple[np.float32, np.float32]:
+    def _bias_corrections(self, count: int) -> tuple[np.float32, np.float32]:
         """1 - b**count for b1 and b2 (fp32 moments: as NumPy computes them, which matches
-        optax.adamw's programs closely). With `reciprocal`, for compact moments: their
-        reciprocals from XLA's power, exactly as compact.py computes them, since its update
-        multiplies by them (an explicit product, where XLA may or may not turn a division by a
-        scalar into one)."""
-        if self._bc_cache is None or self._bc_cache[0] != (count, reciprocal):
+        optax.adamw's programs closely). For compact moments, their reciprocals from XLA's
+        power, exactly as compact.py computes them, since its update multiplies by them (an
+        explicit product, where XLA may or may not turn a division by a scalar into one)."""
+        if self._bc_cache is None or self._bc_cache[0] != count:
             f = np.float32
-            if reciprocal:
+            if self.state_dtype != "float32":
                 n = jnp.int32(count)
-                values = tuple(np.float32(1 / (1 - jnp.asarray(b, jnp.float32) ** n))
+                values = tuple(f(1 / (1 - jnp.asarray(b, jnp.float32) ** n))
                                for b in (self.b1, self.b2))
             else:
                 values = tuple(f(1) - f(b) ** f(count) for b in (self.b1, self.b2))
-            self._bc_cache = ((count, reciprocal), values)
+            self._bc_cache = (count, values)
         return self._bc_cache[1]
 
     def update(self, params, grads, opt_state, scale: float) -> None:
@@ -247,7 +246,7 @@ class HostAdamW:
         t = int(adam_counts[0][0]) + 1
         compact_moments = self.state_dtype != "float32"
         args = (f(scale), b1, f(1 - self.b1), b2, f(1 - self.b2), f(self.eps),
-                *self._bias_corrections(t, reciprocal=compact_moments), -self._lr(step))
+                *self._bias_corrections(t), -self._lr(step))
         decays = (jax.tree.leaves(self.mask(params)) if self.mask and self.weight_decay
                   else [bool(self.weight_decay)] * len(jax.tree.leaves(params)))
         leaves = zip(jax.tree.leaves(params), jax.tree.leaves(grads),
@@ -260,7 +259,7 @@ class HostAdamW:
                     self._undo(pv, gv, mv, nv, *args, wd)
                 elif isinstance(mu, Int8Moment) and self._int8 is not None:
                     self._int8(pv, gv, *mv, *nv, columns, *args, wd, *host_compact.TABLES)
-                elif self._numba is not None and not isinstance(mu, Int8Moment):
+                elif self._numba is not None:  # fp32 or bf16 moments (_int8 comes with it)
                     self._numba(pv, gv, mv, nv, *args, wd, compact_moments)
                 elif compact_moments:  # fp32 vectors too: compact.py's arithmetic
                     self._compact_numpy(pv, gv, mv, nv, columns, args, wd)

@@ -296,7 +296,8 @@ def set_pool_env(cfg: Config, measuring: bool = False) -> None:
 
 
 def checkpoint_bytes(cfg: Config) -> int:
-    """Bytes of one checkpoint: the fp32 weights and optimizer state of every parameter."""
+    """Bytes of one checkpoint: the fp32 weights and the optimizer state (as stored) of
+    every parameter."""
     return int((4 + optimizer_bytes(cfg)) * cfg.model.num_params)
 
 

@@ -180,6 +180,8 @@ def run(cfg, trainer, state, args):
         "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
         "peak_host_rss_gib": rss / 2**30, "host_bytes_per_param": rss / p,
         "host_state_gib": state_bytes / 2**30,
+        # Layers whose inputs waited on pinned host (stream.saved_inputs; auto's split).
+        "saved_inputs_on_host": engine.placement.host_inputs if engine is not None else None,
         "losses": losses, "grad_norms": norms,
         "speculated_parts": [g for g, _ in guesses], "rolled_back_parts": [r for _, r in guesses],
         "update": "host" if getattr(engine, "host_optimizer", None) else "device",

@@ -23,10 +23,11 @@ from megatrain_jax.config import (
     ConfigError,
     load_config,
     load_run_config,
+    memory,
     shipped_configs,
 )
 from megatrain_jax.io.checkpoint import CheckpointError
-from megatrain_jax.tools import activations, distributed
+from megatrain_jax.tools import distributed
 from megatrain_jax.tools import plan as planner
 
 EPILOG = """\
@@ -90,7 +91,8 @@ def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
     target = args.host_gb is not None or args.gpu_gb is not None  # another machine's sizes
     host = planner.host_memory_available() if args.host_gb is None else int(args.host_gb * GiB)
-    gpu = planner.gpu_memory_bytes() if args.gpu_gb is None else int(args.gpu_gb * GiB)
+    total_gpu = planner.gpu_memory_bytes() if args.gpu_gb is None else int(args.gpu_gb * GiB)
+    gpu = planner.usable_gpu_bytes(total_gpu)
     est = planner.estimate(cfg, gpu)
     print(f"{cfg.model.num_params / 1e9:.2f}B parameters, {cfg.model.layers} layers, "
           f"{cfg.data.tokens_per_step:,} tokens per step, trainer={cfg.loop.trainer}")
@@ -103,7 +105,7 @@ def cmd_plan(args) -> int:
     if cfg.loop.trainer == "stream":
         print(f"  pinned host pool      {_gib(planner.pinned_pool_bytes(cfg))}  (holds the host "
               "state above; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, set by `train`)")
-    print("\n".join(activations.describe(cfg, planner.saved_inputs_room(cfg, gpu))))
+    print("\n".join(memory.describe(cfg, gpu, est["devices"])))
     where = "the machine of --host-gb/--gpu-gb" if target else "this machine"
     for name, have, need in (("host", host, est["host_total"]),
                              ("GPU", gpu, est["device_total"])):
@@ -111,7 +113,8 @@ def cmd_plan(args) -> int:
             print(f"{name} memory: unknown here")
         else:
             verdict = "fits" if need <= have else "does NOT fit"
-            print(f"{name} memory: {_gib(have).strip()} -> {verdict}")
+            usable = f" of {_gib(total_gpu).strip()} (XLA's share)" if name == "GPU" else ""
+            print(f"{name} memory: {_gib(have).strip()}{usable} -> {verdict}")
     disk = planner.checkpoint_disk(cfg)
     if not cfg.loop.checkpoint_every:
         print(f"checkpoints: off (loop.checkpoint_every=0); each would take "
@@ -145,9 +148,9 @@ def cmd_plan(args) -> int:
                            grad_bytes=roofline.gradient_bytes(cfg))
         tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step,
                                                resident)
-        memory = f"{rates.host_memory_gbps:.0f} GB/s" if rates.host_memory_gbps else "unmeasured"
+        host_rate = f"{rates.host_memory_gbps:.0f} GB/s" if rates.host_memory_gbps else "unmeasured"
         print(f"rates: H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, optimizer "
-              f"{rates.optimizer_gparams:.2f} G params/s, host memory {memory}, "
+              f"{rates.optimizer_gparams:.2f} G params/s, host memory {host_rate}, "
               "layer forward+backward "
               f"{(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms")
         print(f"step bound at these settings: {b['step_s']:.3f} s "

@@ -14,9 +14,9 @@ from conftest import max_rel_error, tiny
 
 from megatrain_jax import model, streaming
 from megatrain_jax.cli import main
-from megatrain_jax.config import ConfigError, RopeScaling, auto, load_config
+from megatrain_jax.config import ConfigError, RopeScaling, auto, load_config, memory
 from megatrain_jax.model import ops
-from megatrain_jax.tools import activations, plan
+from megatrain_jax.tools import plan
 
 GiB = 2**30
 LLAMA31 = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
@@ -214,31 +214,53 @@ def _long(seq, *more):
 
 
 def test_working_set_grows_with_the_tile_not_the_sequence():
-    half, full = activations.activations(_long(262144)), activations.activations(_long(524288))
+    half, full = memory.activations(_long(262144)), memory.activations(_long(524288))
     assert half["mlp_tile"] == full["mlp_tile"] == auto.MLP_TILE
     assert half["attention"] == full["attention"] == "blockwise"
     assert half["working_set"]["mlp_activations"] == full["working_set"]["mlp_activations"]
-    untiled = activations.activations(_long(524288, "stream.mlp_tile=524288"))
+    untiled = memory.activations(_long(524288, "stream.mlp_tile=524288"))
     assert untiled["mlp_tile"] == 0
     assert untiled["working_set"]["mlp_activations"] == 64 * full["working_set"]["mlp_activations"]
 
 
 @pytest.mark.parametrize("gpu_gib", [40, 90, 120, 140, 200])
 def test_saved_inputs_split_by_gpu_room(gpu_gib):
-    cfg = _long(524288)
-    gpu, per = gpu_gib * GiB, activations.saved_per_layer(cfg)
-    on_gpu, on_host = activations.saved_split(cfg, plan.saved_inputs_room(cfg, gpu))
-    assert on_gpu + on_host == 32 and per == 4 * GiB
-    auto_cfg = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream,
-                                                                   saved_inputs="auto"))
-    est = plan.estimate(auto_cfg, gpu)
-    assert est["host"]["saved_inputs"] == on_host * per
-    if not on_gpu:  # not even the inputs coming back fit beside the layer's work
-        assert est["device_total"] > gpu
+    """auto keeps as many layers' inputs on the GPU as fit beside the step's other bytes and
+    the headroom, with room for two coming back from the host; the host holds the rest."""
+    cfg = _long(524288)  # stream.saved_inputs=auto, the default
+    gpu, per = gpu_gib * GiB, memory.saved_per_layer(cfg)
+    on_host = memory.saved_on_host(cfg, gpu)
+    est = plan.estimate(cfg, gpu)
+    assert per == 4 * GiB and est["host"]["saved_inputs"] == on_host * per
+    budget = gpu - memory.SPLIT_HEADROOM
+    if on_host == 32:  # not even the inputs coming back fit beside the layer's work
+        assert est["device_total"] > budget
     elif on_host:  # as many as fit: one more layer's inputs on the GPU would not
-        assert est["device_total"] <= gpu < est["device_total"] + per
+        assert est["device"]["saved_inputs"] == (32 - on_host + 2) * per
+        assert est["device_total"] <= budget < est["device_total"] + per
     else:
-        assert est["device"]["saved_inputs"] == 32 * per and est["device_total"] <= gpu
+        assert est["device"]["saved_inputs"] == 32 * per and est["device_total"] <= budget
+    for fixed, expected in (("device", 0), ("pinned_host", 32)):
+        assert memory.saved_on_host(memory.replaced(cfg, "stream", saved_inputs=fixed),
+                                    gpu) == expected
+
+
+def test_the_trainer_places_saved_inputs_by_the_planners_split(monkeypatch):
+    """StreamTrainer resolves auto from what XLA may allocate on the device: the planner's
+    split; all on the device where the device does not say (the CPU)."""
+    from megatrain_jax.train import trainers
+
+    cfg = tiny("model.layers=6", "data.batch_size=2", "data.seq_len=64")
+    assert cfg.stream.saved_inputs == "auto"
+    assert trainers.StreamTrainer(cfg).engine.placement.host_inputs == 0  # CPU: no limit
+    other = sum(memory.step_bytes(cfg, 1, None)[0].values()) - \
+        memory.step_bytes(cfg, 1, None)[0]["saved_inputs"]
+    per = memory.saved_per_layer(cfg)
+    for keep in (0, 1, 3, 6):  # layers' inputs that fit on the GPU
+        gpu = other + memory.SPLIT_HEADROOM + (keep + (2 if keep < 6 else 0)) * per
+        monkeypatch.setattr(trainers, "device_memory_bytes", lambda gpu=gpu: gpu)
+        engine = trainers.StreamTrainer(cfg).engine
+        assert engine.placement.host_inputs == 6 - keep == memory.saved_on_host(cfg, gpu)
 
 
 def test_plan_accepts_7b_at_262144_on_the_h200_box(capsys):
@@ -249,22 +271,31 @@ def test_plan_accepts_7b_at_262144_on_the_h200_box(capsys):
     for part in ("blockwise in chunks of 1,024 tokens", "tiles of 8,192 tokens",
                  "2.00 GiB per layer, 64.00 GiB for 32 layers",
                  "32 layers' inputs on the GPU", "host memory: 125.00 GiB -> fits",
-                 "GPU memory: 140.00 GiB -> fits"):
+                 "GPU memory: 133.00 GiB of 140.00 GiB (XLA's share) -> fits"):
         assert part in out, part
 
 
 def test_plan_refuses_7b_at_524288_with_the_numbers(capsys):
-    code = main(["plan", "7b", "data.batch_size=1", "data.seq_len=524288",
-                 "model.max_seq_len=524288", "--host-gb", "125", "--gpu-gb", "140"])
-    err = capsys.readouterr().err
+    args = ["7b", "data.batch_size=1", "data.seq_len=524288", "model.max_seq_len=524288"]
+    box = ["--host-gb", "125", "--gpu-gb", "140"]
+    code = main(["plan", *args, *box])
+    out, err = capsys.readouterr()
     assert code == 1
-    # All inputs on the GPU overflow it; split by room, the host's share overflows the host,
-    # which the 7b fp32 state already fills to 119.2 GiB.
-    assert "165.6 GiB of GPU memory" in err and "saved_inputs 128.0" in err
-    assert "23 layers' inputs stay on the GPU and 9 (36.0 GiB)" in err
-    assert "host memory 145.4 GiB of the host's 125.0" in err
-    assert "Changes that fit: data.seq_len=435200" in err
-    plan.check_fits(_long(435200), host=125 * GiB, gpu=140 * GiB)
+    # Split by GPU room, 11 layers' inputs go to the host, which the 7b fp32 state already
+    # fills to 109.4 GiB; bf16 moments and gradients make room for them.
+    assert "21 layers' inputs on the GPU (84.00 GiB), 11 on pinned host (44.00 GiB)" in out
+    assert "153.4 GiB of host memory" in err and "44.0 GiB of it saved layer inputs" in err
+    assert ("Changes that fit: optim.state_dtype=bfloat16 stream.grad_dtype=bfloat16; "
+            "data.seq_len=427008") in err
+    plan.check_fits(_long(427008), host=125 * GiB, gpu=133 * GiB)
+    assert main(["plan", *args, "optim.state_dtype=bfloat16", "stream.grad_dtype=bfloat16",
+                 *box]) == 0
+    # All on the GPU, it overflows the GPU instead, and the split is named.
+    capsys.readouterr()
+    code = main(["plan", *args, "stream.saved_inputs=device", *box])
+    err = capsys.readouterr().err
+    assert code == 1 and "165.6 GiB of GPU memory" in err and "saved_inputs 128.0" in err
+    assert "With stream.saved_inputs=auto, 21 layers' inputs stay on the GPU and 11" in err
 
 
 def test_saved_inputs_split_between_device_and_host_give_the_same_gradients():

@@ -22,9 +22,13 @@ def test_check_fits_refuses_with_the_numbers():
     cfg = load_config("7b", ["data.batch_size=16", "data.seq_len=1024"])
     with pytest.raises(ConfigError, match=r"needs 109.4 GiB of host memory .* only 64.0 GiB"):
         plan.check_fits(cfg, host=64 * GiB, gpu=80 * GiB)
-    with pytest.raises(ConfigError, match=r"about 18.1 GiB of GPU memory .* the GPU has 16.0 GiB"
-                                          r".*Changes that fit: stream.saved_inputs=pinned_host"):
-        plan.check_fits(cfg, host=125 * GiB, gpu=16 * GiB)
+    on_gpu = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream,
+                                                                 saved_inputs="device"))
+    with pytest.raises(ConfigError, match=r"about 18.1 GiB of GPU memory .* XLA may use 16.0 GiB"
+                                          r".*Changes that fit: stream.saved_inputs=auto; "
+                                          r"stream.saved_inputs=pinned_host"):
+        plan.check_fits(on_gpu, host=125 * GiB, gpu=16 * GiB)
+    plan.check_fits(cfg, host=125 * GiB, gpu=16 * GiB)  # auto: some inputs to the host
     plan.check_fits(cfg, host=125 * GiB, gpu=139 * GiB)  # the H200 machine: fits
     # Micro-batches shrink the step's workspace.
     split = load_config("7b", ["data.batch_size=16", "data.seq_len=1024",
@@ -33,8 +37,9 @@ def test_check_fits_refuses_with_the_numbers():
 
 
 @pytest.mark.parametrize("overrides, host_gib, gpu_gib", [
-    (["data.batch_size=16", "data.seq_len=1024"], 125, 16),
-    (["data.batch_size=16", "data.seq_len=1024"], 125, 17),
+    (["data.batch_size=16", "data.seq_len=1024", "stream.saved_inputs=device"], 125, 16),
+    (["data.batch_size=16", "data.seq_len=1024", "stream.saved_inputs=device"], 125, 17),
+    (["data.batch_size=16", "data.seq_len=1024"], 125, 14),
     (["data.batch_size=1", "data.seq_len=524288"], 125, 140),
     (["data.batch_size=1", "data.seq_len=65536", "stream.saved_inputs=pinned_host"], 125, 140),
     (["data.batch_size=2", "data.seq_len=16384", "model.attention=xla"], 125, 40),
@@ -101,7 +106,7 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
     out = capsys.readouterr().out
     for part in ("master_weights", "optimizer_state", "gradients", "pinned host pool",
                  "saved_inputs", "workspace", "host memory: 125.00 GiB -> fits",
-                 "GPU memory: 139.00 GiB -> fits",
+                 "GPU memory: 132.05 GiB of 139.00 GiB (XLA's share) -> fits",
                  "largest shipped shape that fits this machine: qwen2.5-7b"):
         assert part in out, part
     rates = roofline.Rates.from_result(RATES_7B)
@@ -247,10 +252,13 @@ def test_resident_layers_move_their_state_from_the_host_to_the_gpu_in_the_plan_a
         assert resident[key] == pytest.approx(streamed[key] * share), key
     assert resident["compute_forward_s"] == streamed["compute_forward_s"]
     assert resident["step_s"] < streamed["step_s"]
-    # The GPU's share is refused with the option named when it does not fit.
+    # The GPU's share is refused with the option named when it does not fit; compact
+    # moments shrink the resident layers' state.
+    everything = load_config("7b", ["stream.resident_layers=32"])
+    with pytest.raises(ConfigError, match="Changes that fit: optim.state_dtype=int8"):
+        plan.check_fits(everything, host=125 * GiB, gpu=80 * GiB)
     with pytest.raises(ConfigError, match="fewer stream.resident_layers"):
-        plan.check_fits(load_config("7b", ["stream.resident_layers=32"]), host=125 * GiB,
-                        gpu=80 * GiB)
+        plan.check_fits(everything, host=125 * GiB, gpu=40 * GiB)
 
 
 @pytest.mark.parametrize("resident", [0, 16, 32])

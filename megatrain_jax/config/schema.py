@@ -130,7 +130,9 @@ class StreamConfig:
     the update runs, and how many layers stay in GPU memory instead of streaming."""
 
     prefetch_depth: int = 2
-    saved_inputs: str = "device"
+    # Where each layer's input waits for the backward: device, pinned_host, or auto (on the
+    # GPU as far as its memory allows, the first layers' on pinned host beyond that).
+    saved_inputs: str = "auto"
     loss_chunk: int = 1024  # tokens of the sequence per cross-entropy chunk
     host_memory_gb: float = 0.0  # pinned pool; 0: sized from the model
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
@@ -199,7 +201,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("adamw", "adam", "lion", "sgd"),
     "optim.state_dtype": ("float32", "bfloat16", "int8"),
     "schedule.kind": ("cosine", "linear", "constant"),
-    "stream.saved_inputs": ("device", "pinned_host"),
+    "stream.saved_inputs": ("auto", "device", "pinned_host"),
     "stream.update": ("auto", "host", "device"),
     "stream.speculate": ("off", "auto", "on"),
     "stream.grad_dtype": ("float32", "bfloat16"),

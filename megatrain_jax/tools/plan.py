@@ -17,32 +17,22 @@ import os
 import subprocess
 
 from megatrain_jax.config import (
-    MOMENT_BLOCK,
+    CHOICES,
+    HOST_OPTIMIZERS,
+    STATE_DTYPES,
     Config,
     ConfigError,
     auto,
     load_config,
+    memory,
     shipped_configs,
 )
+from megatrain_jax.config.memory import optimizer_bytes, replaced
 from megatrain_jax.io import array_files, checkpoint
-from megatrain_jax.tools import activations
 from megatrain_jax.tools.roofline import gradient_bytes  # plain arithmetic, no JAX
 
 GiB = 2**30
-OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
-
-
 RUNTIME_OVERHEAD = 9 * GiB
-
-
-def optimizer_bytes(cfg: Config) -> float:
-    """Bytes of optimizer state per parameter: fp32 moments, or Adam's in
-    optim.state_dtype (optim/compact.py; vectors keep fp32, a negligible share)."""
-    if cfg.optim.state_dtype == "bfloat16":
-        return 4.0
-    if cfg.optim.state_dtype == "int8":
-        return 2 * (1 + 4 / MOMENT_BLOCK)  # a byte per value, an fp32 scale per block
-    return 4.0 * OPT_STATE_FLOATS[cfg.optim.name]
 
 
 def estimate(cfg: Config, gpu: int | None = None) -> dict:
@@ -50,34 +40,12 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     `stream.saved_inputs=auto` splits the saved inputs by (None: nvidia-smi's)."""
     m, s = cfg.model, cfg.stream
     params = m.num_params
-    layer = m.params_per_layer
-    resident = s.resident_layers * layer  # parameters whose state lives on the GPU
+    resident = s.resident_layers * m.params_per_layer  # parameters whose state is on the GPU
     state = 4 + optimizer_bytes(cfg)  # weights and optimizer state, bytes per parameter
-    # Per GPU of a mesh of n: a 1/n shard of every part and of the rows of the batch; the
-    # computing part's weights gathered whole, and its gradient whole until scattered.
     n = planned_devices(cfg) if cfg.loop.trainer == "stream" else 1
-    rows = cfg.data.batch_size // n if cfg.data.batch_size % n == 0 else cfg.data.batch_size
-    acts = activations.activations(_with(cfg, "data", batch_size=rows))
-    # On the device: weights in flight (current + prefetched), gradients leaving, the
-    # embedding kept for the step, saved inputs, and one micro-batch's layer workspace.
-    edge = m.vocab_size * m.hidden * 4
-    part = 4 * max(layer, edge)
-    device = {
-        "weights_in_flight": (s.prefetch_depth + 1) * part // n + (part if n > 1 else 0),
-        "gradients_in_flight": 2 * part // n + (part if n > 1 else 0),
-        "embedding": edge // n,
-        "saved_inputs": 0,
-        "workspace": acts["working_set_total"],
-        # Weights, optimizer state and the step's gradients of the resident layers.
-        "resident_layers": int((state + 4) * resident) // n,
-    }
-    room = None
-    if s.saved_inputs == "auto":
-        gpu = gpu_memory_bytes() if gpu is None else gpu
-        room = None if gpu is None else gpu - sum(device.values())
-    device["saved_inputs"], saved_on_host = activations.saved_bytes(
-        _with(cfg, "data", batch_size=rows), room)
-    saved_on_host *= n  # every GPU's share, in the one host
+    if s.saved_inputs == "auto" and gpu is None:
+        gpu = usable_gpu_bytes(gpu_memory_bytes())
+    device, saved_on_host = memory.step_bytes(cfg, n, gpu)
     host = {
         "master_weights": 4 * (params - resident),
         "optimizer_state": int(optimizer_bytes(cfg) * (params - resident)),
@@ -90,8 +58,9 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
         "runtime_overhead": RUNTIME_OVERHEAD,
     }
     if cfg.loop.trainer == "reference":
-        saved = m.layers * activations.saved_per_layer(cfg)
-        device = {"whole_model_state": 16 * params, "workspace": acts["working_set_total"],
+        saved = m.layers * memory.saved_per_layer(cfg)
+        device = {"whole_model_state": 16 * params,
+                  "workspace": memory.activations(cfg)["working_set_total"],
                   "saved": saved}
         host = {}
     if cfg.loop.checkpoint_every:
@@ -120,14 +89,6 @@ def gpu_count() -> int:
         return max(len(out.stdout.split()), 1) if out.returncode == 0 else 1
     except (OSError, subprocess.TimeoutExpired):
         return 1
-
-
-def saved_inputs_room(cfg: Config, gpu: int | None) -> int | None:
-    """GPU bytes left for saved layer inputs once everything else of the step is counted."""
-    if gpu is None:
-        return None
-    device = estimate(cfg)["device"]
-    return gpu - sum(n for name, n in device.items() if name != "saved_inputs")
 
 
 def host_memory_available() -> int | None:
@@ -173,6 +134,18 @@ def measurement_bytes(cfg: Config) -> int:
     return 4 * layers * cfg.model.params_per_layer + 16 * OPTIMIZER_SAMPLE
 
 
+# The share of a GPU's memory that XLA's allocator may use: `train` sets
+# XLA_PYTHON_CLIENT_MEM_FRACTION to this unless it is given (JAX's own default is 0.75); the
+# rest holds the CUDA context and the libraries' handles.
+GPU_FRACTION = 0.95
+
+
+def usable_gpu_bytes(total: int | None) -> int | None:
+    """Of a GPU of `total` bytes, what XLA may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_FRACTION))
+    return None if total is None else int(total * fraction)
+
+
 def gpu_memory_bytes() -> int | None:
     """Total memory of GPU 0 from nvidia-smi; None without an NVIDIA GPU."""
     try:
@@ -188,7 +161,7 @@ def check_fits(cfg: Config, host: int | None = None, gpu: int | None = None) -> 
     """Refuses, with the numbers and the changes that would fit, a config whose state or
     step will not fit this machine (or one of `host` and `gpu` bytes)."""
     host = host_memory_available() if host is None else host
-    gpu = gpu_memory_bytes() if gpu is None else gpu
+    gpu = usable_gpu_bytes(gpu_memory_bytes()) if gpu is None else gpu
     est = estimate(cfg, gpu)
     if host is not None and est["host_total"] > host:
         saved = est["host"]["saved_inputs"]
@@ -203,7 +176,8 @@ def check_fits(cfg: Config, host: int | None = None, gpu: int | None = None) -> 
         parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in est["device"].items() if v)
         message = (
             f"A step needs about {est['device_total'] / GiB:.1f} GiB of GPU memory ({parts} "
-            f"GiB) but the GPU has {gpu / GiB:.1f} GiB.{_split_note(cfg, host, gpu)}")
+            f"GiB) but XLA may use {gpu / GiB:.1f} GiB of the GPU's memory."
+            f"{_split_note(cfg, host, gpu)}")
     else:
         return
     changes = fitting_changes(cfg, host, gpu)
@@ -211,8 +185,9 @@ def check_fits(cfg: Config, host: int | None = None, gpu: int | None = None) -> 
         message += " Changes that fit: " + "; ".join(changes) + "."
     elif est["device_total"] > (gpu or est["device_total"]):
         message += (" No single change fits; what lowers the GPU's share: data.micro_batches, "
-                    "stream.saved_inputs=pinned_host, a lower stream.prefetch_depth, fewer "
-                    "stream.resident_layers, fewer tokens per step.")
+                    "saved inputs on pinned host (stream.saved_inputs), a lower "
+                    "stream.prefetch_depth, fewer stream.resident_layers, fewer tokens per "
+                    "step.")
     raise ConfigError(message)
 
 
@@ -223,21 +198,23 @@ def _fits(cfg: Config, host: int | None, gpu: int | None) -> bool:
 
 
 def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]:
-    """Single changes of where activations live, how they are tiled, or of the batch's
-    shape, under which cfg fits `host` and `gpu` bytes; each as the override to give."""
+    """Changes of the optimizer state's form, of where activations live, how they are tiled,
+    or of the batch's shape, under which cfg fits `host` and `gpu` bytes; each as the
+    overrides to give."""
     d, s = cfg.data, cfg.stream
     tokens = d.batch_size // d.micro_batches * d.seq_len
-    candidates = {}
-    other = {"device": "pinned_host", "pinned_host": "device"}.get(s.saved_inputs)
-    if other:
-        candidates[f"stream.saved_inputs={other}"] = _with(cfg, "stream", saved_inputs=other)
-    if not activations.activations(cfg)["mlp_tile"] and tokens > auto.MLP_TILE:
-        candidates[f"stream.mlp_tile={auto.MLP_TILE}"] = _with(cfg, "stream",
+    candidates = _state_modes(cfg, host, gpu)
+    for other in CHOICES["stream.saved_inputs"]:
+        if other != s.saved_inputs:
+            candidates[f"stream.saved_inputs={other}"] = replaced(cfg, "stream",
+                                                               saved_inputs=other)
+    if not memory.activations(cfg)["mlp_tile"] and tokens > auto.MLP_TILE:
+        candidates[f"stream.mlp_tile={auto.MLP_TILE}"] = replaced(cfg, "stream",
                                                               mlp_tile=auto.MLP_TILE)
-    if activations.activations(cfg)["attention"] == "xla":
-        candidates["model.attention=blockwise"] = _with(cfg, "model", attention="blockwise")
+    if memory.activations(cfg)["attention"] == "xla":
+        candidates["model.attention=blockwise"] = replaced(cfg, "model", attention="blockwise")
     for k in range(d.micro_batches + 1, d.batch_size + 1):
-        if d.batch_size % k == 0 and _fits(_with(cfg, "data", micro_batches=k), host, gpu):
+        if d.batch_size % k == 0 and _fits(replaced(cfg, "data", micro_batches=k), host, gpu):
             candidates[f"data.micro_batches={k}"] = None
             break
     fitting = [name for name, c in candidates.items() if c is None or _fits(c, host, gpu)]
@@ -245,7 +222,7 @@ def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]
     low, high = 0, (d.seq_len - 1) // 1024
     while low < high:
         mid = (low + high + 1) // 2
-        if _fits(_with(cfg, "data", seq_len=mid * 1024), host, gpu):
+        if _fits(replaced(cfg, "data", seq_len=mid * 1024), host, gpu):
             low = mid
         else:
             high = mid - 1
@@ -254,9 +231,22 @@ def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]
     return fitting
 
 
-def _with(cfg: Config, section: str, **values) -> Config:
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
-                                                                    **values)})
+def _state_modes(cfg: Config, host: int | None, gpu: int | None) -> dict:
+    """The first of the smaller forms of the optimizer state and gradients that fits:
+    a compact optim.state_dtype, and bf16 layer gradients where that alone is not enough."""
+    o, s = cfg.optim, cfg.stream
+    halves = s.grad_dtype != "bfloat16" and cfg.model.compute_dtype == "bfloat16"
+    dtypes = STATE_DTYPES[STATE_DTYPES.index(o.state_dtype):]
+    if o.name not in HOST_OPTIMIZERS or s.speculate == "on":  # no compact moments there
+        dtypes = dtypes[:1]
+    for dtype in dtypes:
+        option, words = replaced(cfg, "optim", state_dtype=dtype), [f"optim.state_dtype={dtype}"]
+        if dtype != o.state_dtype and _fits(option, host, gpu):
+            return {words[0]: None}
+        if halves and _fits(replaced(option, "stream", grad_dtype="bfloat16"), host, gpu):
+            words = words[1:] if dtype == o.state_dtype else words
+            return {" ".join([*words, "stream.grad_dtype=bfloat16"]): None}
+    return {}
 
 
 def _split_note(cfg: Config, host: int | None, gpu: int) -> str:
@@ -264,12 +254,13 @@ def _split_note(cfg: Config, host: int | None, gpu: int) -> str:
     share."""
     if cfg.stream.saved_inputs != "device":
         return ""
-    on_gpu, on_host = activations.saved_split(cfg, saved_inputs_room(cfg, gpu))
-    if not on_host or not on_gpu:
+    split_cfg = replaced(cfg, "stream", saved_inputs="auto")
+    on_host = memory.saved_on_host(split_cfg, gpu, planned_devices(cfg))
+    if not on_host or on_host == cfg.model.layers:
         return ""
-    split = estimate(_with(cfg, "stream", saved_inputs="auto"), gpu)
+    split = estimate(split_cfg, gpu)
     verdict = "" if host is None else f" of the host's {host / GiB:.1f}"
-    return (f" Split by GPU room (stream.saved_inputs=auto, to come), {on_gpu} layers' inputs "
+    return (f" With stream.saved_inputs=auto, {cfg.model.layers - on_host} layers' inputs "
             f"stay on the GPU and {on_host} ({split['host']['saved_inputs'] / GiB:.1f} GiB) "
             f"go to pinned host: host memory {split['host_total'] / GiB:.1f} GiB{verdict}.")
 
@@ -290,9 +281,11 @@ def largest_fitting(cfg: Config, host: int | None, gpu: int | None):
 
 
 def set_pool_env(cfg: Config, measuring: bool = False) -> None:
-    """Sizes XLA's pinned host pool before JAX starts; a value already in the environment wins."""
+    """Sizes XLA's pinned host pool and its share of the GPU before JAX starts; a value
+    already in the environment wins."""
     gib = pinned_pool_bytes(cfg, measuring) // GiB + 1
     os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(gib))
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_FRACTION))
 
 
 def checkpoint_bytes(cfg: Config) -> int:

@@ -19,7 +19,7 @@ from functools import partial
 import jax
 
 from megatrain_jax import model, optim
-from megatrain_jax.config import Config, ConfigError
+from megatrain_jax.config import Config, ConfigError, memory
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
 from megatrain_jax.stream.mesh import make_mesh
 from megatrain_jax.train.reference import ReferenceTrainer
@@ -55,12 +55,13 @@ class StreamTrainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        mesh = mesh_for(cfg)
         self.engine = StreamEngine(
             llama_templates(cfg), optim.build_stream_optimizer(cfg),
             clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
-            saved_inputs=cfg.stream.saved_inputs, micro_batches=cfg.data.micro_batches,
+            saved_inputs=saved_inputs(cfg, mesh), micro_batches=cfg.data.micro_batches,
             learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
-            speculate=cfg.stream.speculate, mesh=mesh_for(cfg),
+            speculate=cfg.stream.speculate, mesh=mesh,
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go
@@ -95,6 +96,21 @@ class StreamTrainer:
     def from_tree(self, tree: dict, step: int, record: dict | None = None) -> StreamState:
         return StreamState(tree["params"], tree["opt_state"], step,
                            last_grad_norm=(record or {}).get("last_grad_norm"))
+
+
+def saved_inputs(cfg: Config, mesh) -> str | int:
+    """`stream.saved_inputs` for the engine: `auto` becomes the count of layers whose inputs
+    wait on pinned host, from what XLA may allocate on the first device (config/memory.py's
+    arithmetic, the planner's); all on the device where that is not known (the CPU)."""
+    if cfg.stream.saved_inputs != "auto":
+        return cfg.stream.saved_inputs
+    return memory.saved_on_host(cfg, device_memory_bytes(), mesh.size if mesh else 1)
+
+
+def device_memory_bytes() -> int | None:
+    """The bytes XLA may allocate on the first local device; None where it does not say."""
+    stats = jax.local_devices()[0].memory_stats()
+    return (stats or {}).get("bytes_limit")
 
 
 def mesh_for(cfg: Config):

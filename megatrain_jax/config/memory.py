@@ -1,21 +1,92 @@
-"""Activation memory of a step, without JAX: the saved layer inputs, one layer's working set,
-and how the inputs split between GPU and host when GPU memory runs short.
+"""GPU memory of a streamed step, without JAX: the weights and gradients in flight, the saved
+layer inputs, one layer's working set, and how the inputs split between GPU and host when
+GPU memory runs short (`stream.saved_inputs=auto`).
 
-    acts = activations(cfg)           # choices and bytes at cfg's batch and sequence
-    on_gpu, on_host = saved_split(cfg, room)
-    lines = describe(cfg, room)       # what `megatrain-jax plan` prints
+    acts = activations(cfg)                 # choices and bytes at cfg's batch and sequence
+    device, host_saved = step_bytes(cfg, devices=1, gpu=141 * GiB)
+    host_layers = saved_on_host(cfg, gpu, devices=1)   # what the trainer places for auto
+    lines = describe(cfg, room)             # what `megatrain-jax plan` prints
 
-The attention path and the MLP tile follow config/auto.py, the rules the model itself runs
-by. The planner (plan.py) adds these to the weights and state it counts.
+Here, below the trainers, so that the trainer resolves `auto` by the same arithmetic as the
+planner (tools/plan.py, which adds the host's side). The attention path and the MLP tile
+follow config/auto.py, the rules the model itself runs by.
 """
 
 from __future__ import annotations
 
-from megatrain_jax.config import Config, auto
+import dataclasses
+
+from megatrain_jax.config import auto
+from megatrain_jax.config.schema import MOMENT_BLOCK, Config
 
 GiB = 2**30
 # Host-held layer inputs on the GPU at once in the backward: the one in use and the next.
 SAVED_IN_FLIGHT = 2
+# GPU memory `auto` leaves free beyond the estimate: the estimate has come out up to 1.4 GiB
+# under the measured peak (7b at 1 x 32768 on the H200).
+SPLIT_HEADROOM = 2 * GiB
+OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
+
+
+def optimizer_bytes(cfg: Config) -> float:
+    """Bytes of optimizer state per parameter: fp32 moments, or Adam's in
+    optim.state_dtype (optim/compact.py; vectors keep fp32, a negligible share)."""
+    if cfg.optim.state_dtype == "bfloat16":
+        return 4.0
+    if cfg.optim.state_dtype == "int8":
+        return 2 * (1 + 4 / MOMENT_BLOCK)  # a byte per value, an fp32 scale per block
+    return 4.0 * OPT_STATE_FLOATS[cfg.optim.name]
+
+
+def step_bytes(cfg: Config, devices: int, gpu: int | None) -> tuple[dict, int]:
+    """({component: bytes} on each GPU of a streamed step over `devices` GPUs, bytes of saved
+    inputs on the host for all of them). `gpu`: the bytes each GPU has, which
+    `stream.saved_inputs=auto` splits the inputs by (None: unknown, all on the GPU)."""
+    local, device, room = _without_inputs(cfg, devices, gpu)
+    device["saved_inputs"], on_host = saved_bytes(local, room)
+    return device, on_host * devices  # every GPU's share, in the one host
+
+
+def saved_on_host(cfg: Config, gpu: int | None, devices: int = 1) -> int:
+    """How many layers' inputs `stream.saved_inputs` puts on pinned host (the first ones) on
+    GPUs of `gpu` bytes each: `auto` keeps as many on the GPU as its room allows."""
+    s = cfg.stream.saved_inputs
+    if s != "auto":
+        return cfg.model.layers if cfg.stream.saved_inputs == "pinned_host" else 0
+    local, _, room = _without_inputs(cfg, devices, gpu)
+    return saved_split(local, room)[1]
+
+
+def _without_inputs(cfg: Config, n: int, gpu: int | None) -> tuple[Config, dict, int | None]:
+    """(cfg with one GPU's rows of the batch, each GPU's bytes but the saved inputs, the room
+    left for those: `gpu` less the rest and SPLIT_HEADROOM, None if `gpu` is)."""
+    m, s = cfg.model, cfg.stream
+    layer = m.params_per_layer
+    # Per GPU of a mesh of n: a 1/n shard of every part and of the rows of the batch; the
+    # computing part's weights gathered whole, and its gradient whole until scattered.
+    rows = cfg.data.batch_size // n if cfg.data.batch_size % n == 0 else cfg.data.batch_size
+    local = replaced(cfg, "data", batch_size=rows)
+    edge = m.vocab_size * m.hidden * 4
+    part = 4 * max(layer, edge)
+    state = 4 + optimizer_bytes(cfg) + 4  # weights, optimizer state, the step's gradients
+    device = {
+        # Weights in flight (current + prefetched), gradients leaving, the embedding kept for
+        # the step, saved inputs, and one micro-batch's layer workspace.
+        "weights_in_flight": (s.prefetch_depth + 1) * part // n + (part if n > 1 else 0),
+        "gradients_in_flight": 2 * part // n + (part if n > 1 else 0),
+        "embedding": edge // n,
+        "saved_inputs": 0,
+        "workspace": activations(local)["working_set_total"],
+        "resident_layers": int(state * s.resident_layers * layer) // n,
+    }
+    room = None if gpu is None else gpu - sum(device.values()) - SPLIT_HEADROOM
+    return local, device, room
+
+
+def replaced(cfg: Config, section: str, **values) -> Config:
+    """cfg with some values of one section replaced: replaced(cfg, "data", seq_len=4096)."""
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
+                                                                    **values)})
 
 
 def act_bytes(cfg: Config) -> int:
@@ -80,7 +151,7 @@ def saved_split(cfg: Config, room: int | None) -> tuple[int, int]:
 
 def saved_bytes(cfg: Config, room: int | None = None) -> tuple[int, int]:
     """(GPU bytes, host bytes) of saved inputs under cfg's `stream.saved_inputs`; `auto`
-    splits by `room` (see saved_split)."""
+    splits by `room` bytes left for them (see saved_split)."""
     layers, per = cfg.model.layers, saved_per_layer(cfg)
     if cfg.stream.saved_inputs == "device":
         return layers * per, 0
@@ -90,8 +161,8 @@ def saved_bytes(cfg: Config, room: int | None = None) -> tuple[int, int]:
     return (on_gpu + (min(SAVED_IN_FLIGHT, on_host) if on_host else 0)) * per, on_host * per
 
 
-def describe(cfg: Config, room: int | None) -> list[str]:
-    """The plan's activation lines; `room`: GPU bytes left for saved inputs, if known."""
+def describe(cfg: Config, gpu: int | None, devices: int = 1) -> list[str]:
+    """The plan's activation lines; `gpu`: the bytes XLA may use on each GPU, if known."""
     acts = activations(cfg)
     m, d = cfg.model, cfg.data
     path = acts["attention"]
@@ -111,12 +182,14 @@ def describe(cfg: Config, room: int | None) -> list[str]:
         f"  saved layer inputs    {per / GiB:.2f} GiB per layer, {layers * per / GiB:.2f} GiB "
         f"for {layers} layers (stream.saved_inputs={cfg.stream.saved_inputs})",
     ]
-    if room is not None:
-        on_gpu, on_host = saved_split(cfg, room)
+    if gpu is not None:
+        on_host = saved_on_host(replaced(cfg, "stream", saved_inputs="auto"), gpu, devices)
+        on_gpu = layers - on_host
+        now = " (stream.saved_inputs=auto)" if cfg.stream.saved_inputs == "auto" else \
+            ", as stream.saved_inputs=auto places them"
         lines.append(f"  split by GPU room     {on_gpu} layers' inputs on the GPU "
                      f"({on_gpu * per / GiB:.2f} GiB), {on_host} on pinned host "
-                     f"({on_host * per / GiB:.2f} GiB), as stream.saved_inputs=auto is to "
-                     "place them")
+                     f"({on_host * per / GiB:.2f} GiB){now}")
     lines.append("  per-layer working set (one micro-batch, the layer's backward):")
     for name, n in acts["working_set"].items():
         lines.append(f"    {name:22s}{n / GiB:8.2f} GiB")

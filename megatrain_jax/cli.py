@@ -105,6 +105,10 @@ def cmd_plan(args) -> int:
     if cfg.loop.trainer == "stream":
         print(f"  pinned host pool      {_gib(planner.pinned_pool_bytes(cfg))}  (holds the host "
               "state above; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, set by `train`)")
+        modes = planner.host_bytes_per_param(cfg, gpu)
+        if len(modes) > 1:
+            print("host bytes per parameter by optim.state_dtype (with these gradients and "
+                  "the runtime): " + ", ".join(f"{k} {v:.1f}" for k, v in modes.items()))
     print("\n".join(memory.describe(cfg, gpu, est["devices"])))
     where = "the machine of --host-gb/--gpu-gb" if target else "this machine"
     for name, have, need in (("host", host, est["host_total"]),
@@ -136,7 +140,7 @@ def cmd_plan(args) -> int:
               f"({fitting.model.num_params / 1e9:.2f}B params; host {host_need}, GPU {gpu_need} "
               "at these settings)")
     verdict = _plan_verdict(cfg, host, gpu) if target else None
-    rates = _plan_rates(args, cfg)
+    rates, measured = _plan_rates(args, cfg)
     if rates is None:
         print("compute-bound from: needs measured rates; add --measure on the training machine "
               "(or --rates a bench_step.py JSON)")
@@ -158,6 +162,9 @@ def cmd_plan(args) -> int:
               f"{b['limited_by'].replace('_', ' ')})")
         print(f"compute-bound from about {tokens:,} tokens per step "
               f"(now {cfg.data.tokens_per_step:,})")
+        expected = _expected_step(b["step_s"], measured, cfg.data.tokens_per_step)
+        if expected:
+            print(expected)
     if verdict:
         print(f"megatrain-jax: plan: does not fit: {verdict}", file=sys.stderr)
         return 1
@@ -174,7 +181,8 @@ def _plan_verdict(cfg, host: int | None, gpu: int | None) -> str | None:
 
 
 def _plan_rates(args, cfg):
-    """Roofline rates at cfg's tokens per step: from a benchmark JSON, measured, or None."""
+    """(roofline rates at cfg's tokens per step, the measured run they come from or None):
+    from a benchmark JSON, measured here, or (None, None)."""
     from megatrain_jax.tools import roofline
 
     if args.rates:
@@ -184,13 +192,34 @@ def _plan_rates(args, cfg):
             measured_tokens = result["tokens_per_step"]
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"--rates {args.rates}: not a bench_step.py result ({e}).") from e
-        return roofline.scaled(rates, cfg.data.tokens_per_step / measured_tokens)
+        shape = result.get("config_values", {}).get("model", {})
+        width = ("hidden", "ffn", "heads", "kv_heads", "vocab_size")
+        if shape and any(shape.get(k) != getattr(cfg.model, k) for k in width):
+            raise ConfigError(
+                f"--rates {args.rates} was measured on a model of another width "
+                f"({', '.join(f'{k} {shape.get(k)}' for k in width)}); its layer times do "
+                "not carry over: measure this width (any depth) with bench_step.py.")
+        return roofline.scaled(rates, cfg.data.tokens_per_step / measured_tokens), result
     if not args.measure:
-        return None
+        return None, None
     planner.set_pool_env(cfg, measuring=True)
     from megatrain_jax.tools.roofline import measure_rates  # starts JAX
 
-    return measure_rates(cfg)
+    return measure_rates(cfg), None
+
+
+def _expected_step(bound_s: float, measured: dict | None, tokens: int) -> str | None:
+    """The bound scaled by the measured run's own step over its bound: what a run at these
+    settings should take, extrapolated from the measured one (another depth, batch)."""
+    ratio = (measured or {}).get("roofline", {}).get("ratio")
+    if not ratio:
+        return None
+    layers = measured.get("config_values", {}).get("model", {}).get("layers", "?")
+    step = bound_s * ratio
+    return (f"expected step: {step:.3f} s ({tokens / step:,.0f} tokens/s), extrapolated: the "
+            f"bound times {ratio:.3f}, the measured run's step over its bound ({layers} "
+            f"layers, {measured['tokens_per_step']:,} tokens per step, "
+            f"{measured['median_step_s']:.3f} s)")
 
 
 def cmd_export(args) -> int:

@@ -216,7 +216,10 @@ def _long(seq, *more):
 def test_working_set_grows_with_the_tile_not_the_sequence():
     half, full = memory.activations(_long(262144)), memory.activations(_long(524288))
     assert half["mlp_tile"] == full["mlp_tile"] == auto.MLP_TILE
-    assert half["attention"] == full["attention"] == "blockwise"
+    assert half["attention"] == full["attention"] == "cudnn"  # up to auto.CUDNN_MAX_SEQ
+    beyond = memory.activations(load_config("7b", ["data.batch_size=1", "data.seq_len=1048576",
+                                                   "model.max_seq_len=1048576"]))
+    assert beyond["attention"] == "blockwise"
     assert half["working_set"]["mlp_activations"] == full["working_set"]["mlp_activations"]
     untiled = memory.activations(_long(524288, "stream.mlp_tile=524288"))
     assert untiled["mlp_tile"] == 0
@@ -268,7 +271,7 @@ def test_plan_accepts_7b_at_262144_on_the_h200_box(capsys):
                  "model.max_seq_len=524288", "--host-gb", "125", "--gpu-gb", "140"])
     out = capsys.readouterr().out
     assert code == 0, out
-    for part in ("blockwise in chunks of 1,024 tokens", "tiles of 8,192 tokens",
+    for part in ("attention             cudnn", "tiles of 8,192 tokens",
                  "2.00 GiB per layer, 64.00 GiB for 32 layers",
                  "32 layers' inputs on the GPU", "host memory: 125.00 GiB -> fits",
                  "GPU memory: 133.00 GiB of 140.00 GiB (XLA's share) -> fits"):
@@ -286,15 +289,15 @@ def test_plan_refuses_7b_at_524288_with_the_numbers(capsys):
     assert "21 layers' inputs on the GPU (84.00 GiB), 11 on pinned host (44.00 GiB)" in out
     assert "153.4 GiB of host memory" in err and "44.0 GiB of it saved layer inputs" in err
     assert ("Changes that fit: optim.state_dtype=bfloat16 stream.grad_dtype=bfloat16; "
-            "data.seq_len=427008") in err
-    plan.check_fits(_long(427008), host=125 * GiB, gpu=133 * GiB)
+            "data.seq_len=429056") in err
+    plan.check_fits(_long(429056), host=125 * GiB, gpu=133 * GiB)
     assert main(["plan", *args, "optim.state_dtype=bfloat16", "stream.grad_dtype=bfloat16",
                  *box]) == 0
     # All on the GPU, it overflows the GPU instead, and the split is named.
     capsys.readouterr()
     code = main(["plan", *args, "stream.saved_inputs=device", *box])
     err = capsys.readouterr().err
-    assert code == 1 and "165.6 GiB of GPU memory" in err and "saved_inputs 128.0" in err
+    assert code == 1 and "165.0 GiB of GPU memory" in err and "saved_inputs 128.0" in err
     assert "With stream.saved_inputs=auto, 21 layers' inputs stay on the GPU and 11" in err
 
 

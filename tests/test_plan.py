@@ -273,3 +273,52 @@ def test_the_pinned_pool_holds_the_state_and_the_rate_measurement(resident):
     assert plan.pinned_pool_bytes(cfg, measuring=True) >= state + sampled
     # A run that does not measure asks for the state and a margin only: the pool is resident.
     assert plan.pinned_pool_bytes(cfg) == state + plan.POOL_MARGIN
+
+
+def test_a_refusal_names_the_compact_state_that_fits(capsys):
+    """14b's fp32 state does not fit the 125 GiB box; int8 moments with bf16 layer gradients
+    do (measured there: 105.6 GiB), and the refusal names them; int8 alone names the rest."""
+    box = ["--host-gb", "125", "--gpu-gb", "140"]
+    assert main(["plan", "14b", *box]) == 1
+    assert "Changes that fit: optim.state_dtype=int8 stream.grad_dtype=bfloat16." in \
+        capsys.readouterr().err
+    assert main(["plan", "14b", "optim.state_dtype=int8", *box]) == 1
+    assert "Changes that fit: stream.grad_dtype=bfloat16." in capsys.readouterr().err
+    assert main(["plan", "14b", "optim.state_dtype=int8", "stream.grad_dtype=bfloat16",
+                 *box]) == 0
+    out = capsys.readouterr().out
+    modes = plan.host_bytes_per_param(load_config("14b", ["stream.grad_dtype=bfloat16"]),
+                                      133 * GiB)
+    assert list(modes) == ["float32", "bfloat16", "int8"]
+    assert modes["float32"] - modes["bfloat16"] == pytest.approx(4.0)  # two fp32 -> bf16
+    assert 8.5 < modes["int8"] < 9.0  # 4 + 2 + 2.03 and the runtime's 0.74
+    assert "float32 14.8, bfloat16 10.8, int8 8.8" in out
+    # Without compact moments (Lion), no such change exists.
+    with pytest.raises(ConfigError) as refused:
+        plan.check_fits(load_config("14b", ["optim.name=lion"]), host=100 * GiB, gpu=133 * GiB)
+    assert "state_dtype" not in str(refused.value)
+
+
+def test_plan_extrapolates_a_measured_run_to_another_depth(capsys, tmp_path):
+    """The 120b width measured at 4 layers: plan gives the full depth's bound and the step
+    expected from the measured run's step over its bound; another width is refused."""
+    measured = {"roofline": {**RATES_7B, "ratio": 1.25}, "tokens_per_step": 16384,
+                "median_step_s": 2.0,
+                "config_values": {"model": {"hidden": 10240, "ffn": 28672, "heads": 80,
+                                            "kv_heads": 8, "vocab_size": 32000, "layers": 4}}}
+    rates_file = tmp_path / "bench.json"
+    rates_file.write_text(json.dumps(measured))
+    assert main(["plan", "120b", "--host-gb", "2000", "--gpu-gb", "140",
+                 "--rates", str(rates_file)]) == 0
+    out = capsys.readouterr().out
+    rates = roofline.Rates.from_result(RATES_7B)
+    step_s = roofline.bound(load_config("120b").model, rates)["step_s"]
+    assert f"step bound at these settings: {step_s:.3f} s" in out
+    assert f"expected step: {step_s * 1.25:.3f} s ({16384 / (step_s * 1.25):,.0f} tokens/s)" \
+        in out and "(4 layers, 16,384 tokens per step, 2.000 s)" in out
+    assert main(["plan", "120b", "data.batch_size=64", "--host-gb", "2000", "--gpu-gb", "140",
+                 "--rates", str(rates_file)]) == 0
+    wide = roofline.bound(load_config("120b").model, roofline.scaled(rates, 4))["step_s"]
+    assert f"expected step: {wide * 1.25:.3f} s" in capsys.readouterr().out
+    assert main(["plan", "7b", "--rates", str(rates_file)]) == 2
+    assert "measured on a model of another width" in capsys.readouterr().err

@@ -12,9 +12,10 @@ JAX starts) make the same choice from the same numbers:
 from __future__ import annotations
 
 # cuDNN's fused attention (bf16/fp16 on a GPU) is used up to this length, beyond it the
-# blockwise attention. 7b trained at 1 x 131072 with cuDNN on the H200 (2026-11-23); the
-# longest length cuDNN takes there is still to be measured: raise this when it is.
-CUDNN_MAX_SEQ = 131072
+# blockwise attention. On the H200 (2026-11-24, benchmarks/attention_limits.py, 7b's 32 heads)
+# cuDNN ran causal forward and backward at 131072, 262144 and 524288 tokens at about 550
+# TFLOP/s, 7.5 times the blockwise attention's rate: the longest length measured.
+CUDNN_MAX_SEQ = 524288
 # XLA's attention holds [rows, H, S, S] fp32 scores and their gradient (at 4096 tokens and
 # 32 heads, 2 GiB a copy): beyond this length `auto` runs the blockwise attention instead.
 XLA_MAX_SEQ = 4096

@@ -73,6 +73,14 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
             "device_total": sum(device.values()), "devices": n}
 
 
+def host_bytes_per_param(cfg: Config, gpu: int | None = None) -> dict[str, float]:
+    """{optim.state_dtype: host bytes per parameter} of cfg's run (on a GPU of `gpu` bytes)
+    in each form of the optimizer state it may take (float32 only without compact moments)."""
+    modes = STATE_DTYPES if cfg.optim.name in HOST_OPTIMIZERS else ("float32",)
+    return {mode: estimate(replaced(cfg, "optim", state_dtype=mode), gpu)["host_total"]
+            / cfg.model.num_params for mode in modes}
+
+
 def planned_devices(cfg: Config) -> int:
     """The GPUs a run uses: mesh.data, or (0) every GPU nvidia-smi lists; 1 without any.
     The plan is per GPU, for one process."""

@@ -270,6 +270,8 @@ def main() -> None:
     parser.add_argument("--bench-args", default="", help="appended to every bench_step run")
     parser.add_argument("--budget", type=float, default=0,
                         help="seconds for all the runs (0: no limit)")
+    parser.add_argument("--timeout", type=float, default=0,
+                        help="seconds for each run instead of its own (0: its own)")
     parser.add_argument("--list", action="store_true", help="print the runs, run nothing")
     args = parser.parse_args()
 
@@ -290,6 +292,7 @@ def main() -> None:
                 else {"machine": machine(trees), "runs": []})
     manifest["machine"]["trees"].update(describe(trees))  # an added invocation's trees
     for run, tree in plan:
+        run = dataclasses.replace(run, timeout=args.timeout or run.timeout)
         left = args.budget - (time.perf_counter() - start) - 20 if args.budget else run.timeout
         if left < 30:
             print(f"== {run.name}: skipped, {left:.0f} s of the budget left", flush=True)

@@ -162,7 +162,7 @@ def cmd_plan(args) -> int:
               f"{b['limited_by'].replace('_', ' ')})")
         print(f"compute-bound from about {tokens:,} tokens per step "
               f"(now {cfg.data.tokens_per_step:,})")
-        expected = _expected_step(b["step_s"], measured, cfg.data.tokens_per_step)
+        expected = planner.expected_step(b["step_s"], measured, cfg.data.tokens_per_step)
         if expected:
             print(expected)
     if verdict:
@@ -206,20 +206,6 @@ def _plan_rates(args, cfg):
     from megatrain_jax.tools.roofline import measure_rates  # starts JAX
 
     return measure_rates(cfg), None
-
-
-def _expected_step(bound_s: float, measured: dict | None, tokens: int) -> str | None:
-    """The bound scaled by the measured run's own step over its bound: what a run at these
-    settings should take, extrapolated from the measured one (another depth, batch)."""
-    ratio = (measured or {}).get("roofline", {}).get("ratio")
-    if not ratio:
-        return None
-    layers = measured.get("config_values", {}).get("model", {}).get("layers", "?")
-    step = bound_s * ratio
-    return (f"expected step: {step:.3f} s ({tokens / step:,.0f} tokens/s), extrapolated: the "
-            f"bound times {ratio:.3f}, the measured run's step over its bound ({layers} "
-            f"layers, {measured['tokens_per_step']:,} tokens per step, "
-            f"{measured['median_step_s']:.3f} s)")
 
 
 def cmd_export(args) -> int:

@@ -309,3 +309,17 @@ def checkpoint_disk(cfg: Config) -> dict:
     each = checkpoint_bytes(cfg)
     return {"folder": folder, "each": each, "free": checkpoint.free_bytes(folder),
             "needed": checkpoint.room_needed(folder, cfg.loop.keep_checkpoints, each)}
+
+
+def expected_step(bound_s: float, measured: dict | None, tokens: int) -> str | None:
+    """The bound scaled by the measured run's own step over its bound: what a run at these
+    settings should take, extrapolated from the measured one (another depth, batch)."""
+    ratio = (measured or {}).get("roofline", {}).get("ratio")
+    if not ratio:
+        return None
+    layers = measured.get("config_values", {}).get("model", {}).get("layers", "?")
+    step = bound_s * ratio
+    return (f"expected step: {step:.3f} s ({tokens / step:,.0f} tokens/s), extrapolated: the "
+            f"bound times {ratio:.3f}, the measured run's step over its bound ({layers} "
+            f"layers, {measured['tokens_per_step']:,} tokens per step, "
+            f"{measured['median_step_s']:.3f} s)")

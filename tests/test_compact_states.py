@@ -134,10 +134,14 @@ def test_streamed_matches_the_reference_with_compact_moments(state_dtype):
     streamed = map_parts(lambda s: s[0].mu, state.opt_state)
     for ours, theirs in zip(jax.tree.leaves(streamed),
                             jax.tree.leaves(ref_state.opt_state[0].mu)):
-        if ours.dtype == jnp.uint8:  # codes: allow a rare neighbour from rounding upstream
-            assert np.mean(np.asarray(ours) != np.asarray(theirs)) <= 1e-3
-        else:
+        if ours.dtype == jnp.float32:  # vectors keep fp32 moments
             assert max_rel_error(ours, theirs) <= 1e-3
+            continue
+        ours, theirs = np.asarray(ours), np.asarray(theirs)
+        differ = ours != theirs  # a rare neighbour on the grid, from rounding upstream
+        assert np.mean(differ) <= (1e-3 if ours.dtype == np.uint8 else 1e-2)
+        if ours.dtype != np.uint8:  # bf16: within one ulp of the leaf's largest values
+            assert max_rel_error(ours, theirs) <= 2.0**-7
 
 
 def test_resume_with_int8_moments_is_bit_exact(tmp_path):

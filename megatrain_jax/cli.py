@@ -322,7 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow the flags: `plan 7b --host-gb 125 optim.lr=1e-4`
+    if extra and hasattr(args, "overrides") and all("=" in a and a[0] != "-" for a in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
     except ConfigError as e:

@@ -48,6 +48,15 @@ def test_help_is_useful(capsys):
     assert "shipped config name" in capsys.readouterr().out
 
 
+def test_overrides_may_follow_the_flags(capsys):
+    assert main(["plan", "7b", "--host-gb", "125", "--gpu-gb", "140",
+                 "optim.state_dtype=int8"]) == 0
+    assert "optimizer_state          12.75 GiB" in capsys.readouterr().out  # 2.03 B/param
+    with pytest.raises(SystemExit):  # a stray flag is still refused
+        main(["plan", "7b", "--host-gb", "125", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 def test_plan_and_configs(capsys):
     assert main(["plan", "7b"]) == 0
     out = capsys.readouterr().out

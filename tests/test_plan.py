@@ -52,7 +52,7 @@ def test_every_change_a_refusal_names_fits(overrides, host_gib, gpu_gib):
     changes = str(refused.value).split("Changes that fit: ")[1].rstrip(".").split("; ")
     assert changes
     for change in changes:
-        plan.check_fits(load_config(args[0], [*args[1:], change]), host=host, gpu=gpu)
+        plan.check_fits(load_config(args[0], [*args[1:], *change.split()]), host=host, gpu=gpu)
 
 
 @pytest.mark.parametrize("host_gib", [16, 125, 600, 2000])
@@ -63,7 +63,7 @@ def test_largest_fitting_is_the_largest_shipped_shape_that_fits(host_gib):
     sizes = {}
     for name, path in shipped_configs().items():
         candidate = dataclasses.replace(cfg, model=load_config(str(path)).model)
-        est = plan.estimate(candidate)
+        est = plan.estimate(candidate, gpu)
         sizes[name] = (candidate.model.num_params,
                        est["host_total"] <= host and est["device_total"] <= gpu)
     fitting = [n for n, (_, fits) in sizes.items() if fits]
@@ -75,6 +75,16 @@ def test_largest_fitting_is_the_largest_shipped_shape_that_fits(host_gib):
         # is planned at 122.5 GiB, the largest that fits the 125 GiB box.
         assert found[0] == "qwen2.5-7b"
     assert plan.largest_fitting(cfg, 1024, gpu) is None
+
+
+def test_largest_fitting_splits_saved_inputs_by_the_gpu_it_is_given():
+    """120b at 64 x 1024 holds 135 GiB of saved inputs, more than the GPU: auto sends some to
+    the host, and the search for the largest shape must split them as the verdict does."""
+    cfg = load_config("120b", ["data.batch_size=64"])
+    host, gpu = 2048 * GiB, 133 * GiB
+    est = plan.estimate(cfg, gpu)
+    assert est["host"]["saved_inputs"] > 0 and est["device_total"] <= gpu
+    assert plan.largest_fitting(cfg, host, gpu)[0] == "120b"
 
 
 def test_compute_bound_tokens_is_where_compute_outlasts_transfers_and_updates():

@@ -103,11 +103,14 @@ def activations(cfg: Config) -> dict:
 
     The backward recomputes the layer and holds its activations with their gradients. Per
     token: the input, norm, q, k, v and attention output (2D + (H+2K)E + HE in the compute
-    dtype) and the MLP's 3F, the MLP's over one tile only when tiled; the attention's scores
-    by path; the layer's weights in the compute dtype with their fp32 gradient and its
-    accumulator; one loss chunk's logits. Against the H200's peaks of 7b (bf16, cuDNN, saved
-    inputs on the GPU; plan.py's total): 16x1024 planned 18.1 GiB, measured 17.7;
-    1x32768 23.9 / 25.3; 1x131072 58.5 / 59.3.
+    dtype); the MLP's 3F, over one tile only when tiled; the gradients of q, k, v and the
+    attention output ((H+2K)E + HE), which the attention's backward holds after the MLP's
+    backward has let its activations go, so only the larger of those two counts; the
+    attention's scores by path; the layer's weights in the compute dtype with their fp32
+    gradient and its accumulator; one loss chunk's logits. Against the H200's peaks of 7b
+    width (bf16, cuDNN, saved inputs on the GPU; plan.py's total): 16x1024 planned 18.1 GiB,
+    measured 17.7; 1x32768 23.9 / 25.3; 1x131072 58.5 / 59.3; 2 layers at 1x524288 (tiled
+    MLP, where the attention's gradients are the larger) 60.5 / 59.8.
     """
     m, d, s = cfg.model, cfg.data, cfg.stream
     a = act_bytes(cfg)
@@ -127,12 +130,14 @@ def activations(cfg: Config) -> dict:
         "attention_activations": tokens * a * (2 * m.hidden + (h + 2 * m.kv_heads) * e + h * e),
         "attention_scores": scores,
         "mlp_activations": (tile or tokens) * a * 3 * m.ffn,
+        "attention_gradients": tokens * a * ((h + 2 * m.kv_heads) * e + h * e),
         "layer_weights": (a + 8) * m.params_per_layer,
         "loss_chunk": min(s.loss_chunk, tokens) * m.vocab_size * 4 * 2,
     }
+    apart = min(working["mlp_activations"], working["attention_gradients"])  # not at once
     return {"attention": path, "attention_chunk": chunk if path == "blockwise" else 0,
             "mlp_tile": tile, "micro_batch_tokens": tokens, "saved_per_layer": saved_per_layer(cfg),
-            "working_set": working, "working_set_total": sum(working.values())}
+            "working_set": working, "working_set_total": sum(working.values()) - apart}
 
 
 def saved_split(cfg: Config, room: int | None) -> tuple[int, int]:
@@ -190,7 +195,9 @@ def describe(cfg: Config, gpu: int | None, devices: int = 1) -> list[str]:
         lines.append(f"  split by GPU room     {on_gpu} layers' inputs on the GPU "
                      f"({on_gpu * per / GiB:.2f} GiB), {on_host} on pinned host "
                      f"({on_host * per / GiB:.2f} GiB){now}")
-    lines.append("  per-layer working set (one micro-batch, the layer's backward):")
+    lines.append("  per-layer working set (one micro-batch, the layer's backward; the MLP's "
+                 "activations and the attention's gradients are not held at once):")
     for name, n in acts["working_set"].items():
         lines.append(f"    {name:22s}{n / GiB:8.2f} GiB")
+    lines.append(f"    {'total':22s}{acts['working_set_total'] / GiB:8.2f} GiB")
     return lines

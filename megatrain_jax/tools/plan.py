@@ -280,7 +280,7 @@ def largest_fitting(cfg: Config, host: int | None, gpu: int | None):
     for name, path in shipped_configs().items():
         shape = load_config(str(path)).model
         candidate = dataclasses.replace(cfg, model=shape)
-        est = estimate(candidate)
+        est = estimate(candidate, gpu)  # saved inputs split by the same GPU as the verdict
         fits = (host is None or est["host_total"] <= host) and \
             (gpu is None or est["device_total"] <= gpu)
         if fits and (best is None or shape.num_params > best[1].model.num_params):

@@ -1,5 +1,6 @@
-"""Compact Adam moments (optim.state_dtype): the tables, the host kernels against the Optax
-transformation bit for bit, streamed against the reference, resume, refusals, the plan."""
+"""optim.state_dtype, the form of Adam's moments (float32, bfloat16, int8): the int8 tables
+and their round trip, the host kernels against the Optax transformation bit for bit, streamed
+against the reference over 20 clipped steps, resume bit for bit, refusals, the plan's bytes."""
 
 import jax
 import jax.numpy as jnp
@@ -106,27 +107,35 @@ def _int8_bytes(p):  # two moments: a byte per value and an fp32 scale per block
 
 
 _expected_moment_bytes = {  # vectors keep fp32 moments
+    "float32": lambda p: 8 * p.size,
     "bfloat16": lambda p: 4 * p.size if p.ndim >= 2 else 8 * p.size,
     "int8": lambda p: _int8_bytes(p) if p.ndim >= 2 else 8 * p.size,
 }
 
 
-@pytest.mark.parametrize("state_dtype", COMPACT)
-def test_streamed_matches_the_reference_with_compact_moments(state_dtype):
-    """Twelve clipped steps of the tiny model: the streamed host update and the whole-model
-    Optax reference with the same compact moments agree; the moments take the bytes the
-    mode promises."""
+@pytest.mark.parametrize("state_dtype", ["float32", *COMPACT])
+def test_streamed_matches_the_reference_in_each_state_dtype(state_dtype):
+    """Twenty clipped steps of the tiny model: the streamed host update and the whole-model
+    Optax reference with the same moments agree; the moments take the bytes the mode
+    promises."""
     cfg = tiny(f"optim.state_dtype={state_dtype}", "optim.lr=3e-3", "optim.clip_norm=0.5",
                "stream.resident_layers=1")  # a resident layer: the device update too
-    ref_state, state, _, records = side_by_side(cfg, 12)
-    assert any(r["grad_norm"] > 0.5 for r in records)
+    ref_state, state, _, records = side_by_side(cfg, 20)
+    assert all(r["grad_norm"] > 0.5 for r in records[:3])  # clipping is active
     np.testing.assert_allclose([r["loss"] for r in records], [r["ref_loss"] for r in records],
                                rtol=1e-5)
     # The two trainers' gradients differ in the last bits (other programs, other sums); a
     # stored moment rounds them to its own grid, so now and then one lands a grid step
-    # apart, which moves that weight by about lr times the step's share of the update.
-    error = max_rel_error(state.params, ref_state.params)
-    assert error <= 2e-4
+    # apart, which moves that weight by about lr times that step's share of Adam's update
+    # (at most about 1): bounded here by one bf16 grid step (2^-7) of lr per step, which
+    # int8's rarer code differences stay within too. fp32 moments agree to rounding.
+    if state_dtype == "float32":
+        assert max_rel_error(state.params, ref_state.params) <= 1e-5
+    else:
+        drift = max(jax.tree.leaves(jax.tree.map(
+            lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+            state.params, ref_state.params)))
+        assert drift <= len(records) * cfg.optim.lr * 2.0**-7
     assert memory_kinds(state.opt_state["layers"][1]) == {"pinned_host"}
     moments = _moment_bytes(map_parts(lambda s: (s[0].mu, s[0].nu), state.opt_state))
     assert moments == sum(map(_expected_moment_bytes[state_dtype],
@@ -144,9 +153,10 @@ def test_streamed_matches_the_reference_with_compact_moments(state_dtype):
             assert max_rel_error(ours, theirs) <= 2.0**-7
 
 
-def test_resume_with_int8_moments_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("state_dtype", COMPACT)
+def test_resume_with_compact_moments_is_bit_exact(tmp_path, state_dtype):
     def cfg(run, steps):
-        return tiny("model.layers=2", "optim.state_dtype=int8", "loop.log_every=1",
+        return tiny("model.layers=2", f"optim.state_dtype={state_dtype}", "loop.log_every=1",
                     "loop.progress=none", "loop.checkpoint_every=3", "loop.tensorboard=off",
                     "loop.timeline_step=-1", "schedule.decay_steps=6",
                     f"loop.run_dir={tmp_path / run}", f"loop.steps={steps}")

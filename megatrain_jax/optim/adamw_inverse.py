@@ -55,7 +55,7 @@ def undo_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, w
 def numba_undo() -> Callable | None:
     if (tools := numba_tools()) is None:
         return None
-    numba, widen, _, _ = tools
+    numba, widen, _, _, _ = tools
 
     @numba.njit(parallel=True, nogil=True, fastmath=False, cache=True)
     def undo(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd):

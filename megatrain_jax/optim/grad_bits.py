@@ -18,8 +18,8 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def numba_tools() -> tuple | None:
-    """(numba, widen, store, bits) for the host kernels, or None where numba does not
-    import."""
+    """(numba, widen, store, bits, from_bits) for the host kernels, or None where numba does
+    not import."""
     try:
         import numba
     except ImportError:
@@ -27,9 +27,9 @@ def numba_tools() -> tuple | None:
     return numba, *numba_widen_store()
 
 
-def numba_widen_store() -> tuple[Callable, Callable, Callable]:
-    """Numba functions for the kernels' reads and writes of fp32 or bf16 arrays, and an fp32
-    value's bits (uint32) for kernels that look values up by them.
+def numba_widen_store() -> tuple[Callable, Callable, Callable, Callable]:
+    """Numba functions for the kernels' reads and writes of fp32 or bf16 arrays, an fp32
+    value's bits (uint32) for kernels that look values up by them, and the fp32 of given bits.
 
     widen(x): an fp32 value as it is, bf16 bits (uint16) widened to the fp32 of the same
     value (a bit cast of bits << 16). store(a, i, x): a[i] = x, an fp32 `x` rounded to the
@@ -76,4 +76,4 @@ def numba_widen_store() -> tuple[Callable, Callable, Callable]:
             a[i] = x
         return plain
 
-    return widen, store, bits_from_f32
+    return widen, store, bits_from_f32, f32_from_bits

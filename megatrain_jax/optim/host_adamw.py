@@ -106,7 +106,7 @@ def _adamw_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr,
 def _numba_kernel() -> Callable | None:
     if (tools := numba_tools()) is None:
         return None
-    numba, widen, store, _ = tools
+    numba, widen, store, _, _ = tools
 
     @numba.njit(parallel=True, nogil=True, fastmath=False, cache=True)
     def adamw(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd, reciprocal):

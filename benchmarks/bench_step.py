@@ -104,7 +104,10 @@ def run(cfg, trainer, state, args):
         loss = float(np.asarray(metrics["loss"]))
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-        print(f"step {step + 1}/{args.warmup + args.steps}: {times[-1]:.3f} s, loss {loss:.4f}",
+        peak = peak_device_bytes()
+        print(f"step {step + 1}/{args.warmup + args.steps}: {times[-1]:.3f} s, loss {loss:.4f}, "
+              f"GPU peak {(peak or 0) / 2**30:.2f} GiB, host peak "
+              f"{host_rss_bytes() / 2**30:.2f} GiB",
               file=sys.stderr, flush=True)  # the log shows progress, even of a killed run
         norms.append(float(np.asarray(metrics["grad_norm"])))
         if "speculated_parts" in metrics:  # of the update that overlapped this step

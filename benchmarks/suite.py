@@ -89,11 +89,16 @@ PRESETS: dict[str, list[Run]] = {
     # parameter: 7b needs about 129 GiB of host, more than one H200 machine's 125.
     "peers": [peer(kind, shape, "--steps 6 --warmup 2")
               for kind in ("resident", "fsdp2") for shape in ("3b", "7b")],
-    # Batch 1, long sequences. A step at 131072 tokens takes about 50 s: use --only to run
-    # one length per device call, and --bench-args "--steps 4 --warmup 1" where time is short.
-    "long": [step(f"7b_seq{n}", "7b", f"--steps 4 --warmup 2 --no-roofline data.batch_size=1 "
-                  f"data.seq_len={n} model.max_seq_len={n}", timeout=590)
-             for n in (131072, 262144, 524288)],
+    # Batch 1, long sequences: a step takes about 50 s at 131072 tokens and 3 minutes at
+    # 262144 (one of each fits a device call); all 32 layers at 524288 take about 12 minutes
+    # a step, past a call's 10, so two layers of the width stand in (RESULTS.md, 2026-11-25).
+    "long": [step("7b_seq131072", "7b", "--steps 2 --warmup 1 --no-roofline data.batch_size=1 "
+                  "data.seq_len=131072 model.max_seq_len=131072", timeout=590),
+             step("7b_seq262144", "7b", "--steps 1 --warmup 1 --no-roofline data.batch_size=1 "
+                  "data.seq_len=262144 model.max_seq_len=262144", timeout=590),
+             step("7b_2_layers_seq524288", "7b", "--steps 2 --warmup 1 --no-roofline "
+                  "data.batch_size=1 data.seq_len=524288 model.max_seq_len=524288 "
+                  "model.layers=2", timeout=590)],
     # The first K layers kept on the GPU (K=0 is standard's 7b); 3b with every layer.
     "resident": [*(step(f"7b_k{k}", "7b", f"{STANDARD} --repeat-batch stream.resident_layers={k}")
                    for k in (8, 16, 32)),

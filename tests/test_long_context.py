@@ -107,6 +107,11 @@ def test_auto_attention_path_by_length():
     assert auto.attention_path("auto", auto.XLA_MAX_SEQ, False, 4) == "xla"
     assert auto.attention_path("auto", auto.XLA_MAX_SEQ + 1, True, 4) == "blockwise"
     assert auto.attention_path("xla", 10**6, True, 2) == "xla"
+    # Packed rows: a dense [S, S] mask for cuDNN and XLA, so blockwise past XLA_MAX_SEQ.
+    assert auto.attention_path("auto", auto.XLA_MAX_SEQ, True, 2, packed=True) == "cudnn"
+    assert auto.attention_path("auto", auto.XLA_MAX_SEQ + 1, True, 2, packed=True) == \
+        "blockwise"
+    assert auto.attention_path("cudnn", 10**5, True, 2, packed=True) == "cudnn"
 
 
 # ----- the tiled MLP -----------------------------------------------------------------------

@@ -4,7 +4,8 @@ its MLP is tiled, and the chunk of the blockwise attention.
 Pure Python without JAX, so that the model (when its layer is traced) and the planner (before
 JAX starts) make the same choice from the same numbers:
 
-    attention_path("auto", seq_len=262144, on_gpu=True, dtype_bytes=2)   # -> "blockwise"
+    attention_path("auto", seq_len=262144, on_gpu=True, dtype_bytes=2)   # -> "cudnn"
+    attention_path("auto", seq_len=1048576, on_gpu=True, dtype_bytes=2)  # -> "blockwise"
     mlp_tile(0, tokens=262144)                                            # -> 8192
     attention_chunk(0, seq_len=262144)                                    # -> 1024
 """
@@ -31,14 +32,19 @@ MLP_TILE = 8192
 MAX_POSITION = 2**24
 
 
-def attention_path(requested: str, seq_len: int, on_gpu: bool, dtype_bytes: int) -> str:
+def attention_path(requested: str, seq_len: int, on_gpu: bool, dtype_bytes: int,
+                   packed: bool = False) -> str:
     """`xla`, `cudnn` or `blockwise`: what `model.attention=requested` runs at `seq_len`.
 
     `auto`: cuDNN on a GPU with a 16-bit compute dtype (it needs one) up to CUDNN_MAX_SEQ,
-    XLA elsewhere up to XLA_MAX_SEQ; blockwise beyond.
+    XLA elsewhere up to XLA_MAX_SEQ; blockwise beyond. `packed` rows (segment ids: examples
+    that must not see each other) reach cuDNN and XLA as a dense [B, S, S] mask, 16 GiB a
+    row at 131072 tokens: beyond XLA_MAX_SEQ they go blockwise, which masks block by block.
     """
     if requested != "auto":
         return requested
+    if packed and seq_len > XLA_MAX_SEQ:
+        return "blockwise"
     if on_gpu and dtype_bytes == 2:
         return "cudnn" if seq_len <= CUDNN_MAX_SEQ else "blockwise"
     return "xla" if seq_len <= XLA_MAX_SEQ else "blockwise"

@@ -180,7 +180,7 @@ def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None,
         k = ops.rms_norm(k, w.k_norm, cfg.norm_eps)
     cos, sin = ops.rope_angles(positions, rope_frequencies(cfg))
     q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
-    impl = ops.pick_attention(cfg.attention, dtype, s)
+    impl = ops.pick_attention(cfg.attention, dtype, s, packed=segment_ids is not None)
     attn = ops.attention(q, k, v, impl, segment_ids, attention_chunk)
     x = x + jnp.einsum("bsn,nd->bsd", attn.reshape(b, s, cfg.heads * e), w.wo)
 

@@ -99,10 +99,11 @@ def apply_rope(x, positions, inv_freq):
     return rotate(x, *rope_angles(positions, inv_freq))
 
 
-def pick_attention(requested: str, dtype, seq_len: int = 0) -> str:
-    """What `model.attention=requested` runs here at `seq_len` (config/auto.py's rule)."""
+def pick_attention(requested: str, dtype, seq_len: int = 0, packed: bool = False) -> str:
+    """What `model.attention=requested` runs here at `seq_len`, for rows with segment ids
+    where `packed` (config/auto.py's rule)."""
     return auto.attention_path(requested, seq_len, jax.default_backend() == "gpu",
-                               jnp.dtype(dtype).itemsize)
+                               jnp.dtype(dtype).itemsize, packed)
 
 
 def attention(q, k, v, implementation: str, segment_ids=None, chunk: int = 0):

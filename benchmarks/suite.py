@@ -8,7 +8,8 @@
     python benchmarks/suite.py resident --list           # what would run, and how
 
 Each ITEM is a preset (PRESETS below: standard, compare, sweep, peers, long, resident,
-probe, cli, dev; `runs` has none of its own) or a run spec `[NAME=]CONFIG:ARGS` for
+probe, cli, reliability, mesh, dev; `runs` has none of its own) or a run spec
+`[NAME=]CONFIG:ARGS` for
 bench_step.py. `--only`/`--skip` pick runs by name (shell patterns). With `--tree
 [LABEL=]DIR` (repeatable), every bench_step run is made once per tree, interleaved so that
 drift in the machine hits every tree alike, with DIR's own bench_step.py and
@@ -112,6 +113,16 @@ PRESETS: dict[str, list[Run]] = {
     "cli": [cli("cli_train_1b", f"train 1b loop.steps=4 {CLI_RUN}"),
             cli("cli_resume_1b", f"train 1b loop.steps=6 {CLI_RUN}"),
             cli("cli_report_1b", "report {out}/run_1b", timeout=120)],
+    # Checkpoints leave host memory flat: 3b saved every 3 steps (int8 moments: two 3b
+    # checkpoints in fp32 moments, 75 GB, overflow the lent machine's 64 GB disk), and a
+    # 1,000-step 1b soak saved every 200 (metrics.jsonl holds the RSS of every 10th step).
+    "reliability": [cli("ckpt_3b", "train 3b optim.state_dtype=int8 loop.steps=9 "
+                        "loop.checkpoint_every=3 loop.keep_checkpoints=1 loop.log_every=1 "
+                        "loop.progress=plain loop.run_dir={out}/run_3b", timeout=400),
+                    cli("soak_1b", "train 1b data.batch_size=4 loop.steps=1000 "
+                        "loop.checkpoint_every=200 loop.keep_checkpoints=1 loop.log_every=10 "
+                        "loop.progress=plain loop.run_dir={out}/run_soak", timeout=590),
+                    cli("soak_1b_report", "report {out}/run_soak", timeout=120)],
     # Several GPUs: 7b at 16 x 1024 tokens per GPU on one and two, FSDP2 with CPU offload at
     # the same world sizes.
     "mesh": [*(Run(f"peer_fsdp2_7b_{n}gpu", ("-m", "torch.distributed.run", "--standalone",

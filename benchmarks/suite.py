@@ -10,8 +10,7 @@
 Each ITEM is a preset (PRESETS below: standard, compare, sweep, peers, long, resident,
 probe, cli, reliability, mesh, dev; `runs` has none of its own) or a run spec
 `[NAME=]CONFIG:ARGS` for bench_step.py. `--only`/`--skip` pick runs by name (shell
-patterns). With `--tree
-[LABEL=]DIR` (repeatable), every bench_step run is made once per tree, interleaved so that
+patterns). With `--tree [LABEL=]DIR` (repeatable), every bench_step run is made once per tree, interleaved so that
 drift in the machine hits every tree alike, with DIR's own bench_step.py and
 `PYTHONPATH=DIR`: rows are labelled by tree and their tokens/s compared. Other runs (link
 rates, peers, the CLI) use this checkout. A preset may take longer than one device call

@@ -10,11 +10,11 @@
 Each ITEM is a preset (PRESETS below: standard, compare, sweep, peers, long, resident,
 probe, cli, reliability, mesh, dev; `runs` has none of its own) or a run spec
 `[NAME=]CONFIG:ARGS` for bench_step.py. `--only`/`--skip` pick runs by name (shell
-patterns). With `--tree [LABEL=]DIR` (repeatable), every bench_step run is made once per tree, interleaved so that
-drift in the machine hits every tree alike, with DIR's own bench_step.py and
-`PYTHONPATH=DIR`: rows are labelled by tree and their tokens/s compared. Other runs (link
-rates, peers, the CLI) use this checkout. A preset may take longer than one device call
-allows: `--budget` and `--only` keep a call within it.
+patterns). With `--tree [LABEL=]DIR` (repeatable), every bench_step run is made once per
+tree, interleaved so that drift in the machine hits every tree alike, with DIR's own
+bench_step.py and `PYTHONPATH=DIR`: rows are labelled by tree and their tokens/s compared.
+Other runs (link rates, peers, the CLI) use this checkout. A preset may take longer than one
+device call allows: `--budget` and `--only` keep a call within it.
 
 Every run writes OUT_DIR/[TREE_]NAME.json and .log, and OUT_DIR/suite.json records its
 command, exit code and seconds; a run past its timeout (or past `--budget`, the seconds left

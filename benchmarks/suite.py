@@ -8,7 +8,7 @@
     python benchmarks/suite.py resident --list           # what would run, and how
 
 Each ITEM is a preset (PRESETS below: standard, compare, sweep, peers, long, resident,
-probe, cli, reliability, mesh, dev; `runs` has none of its own) or a run spec
+deepspeed, probe, cli, reliability, mesh, dev; `runs` has none of its own) or a run spec
 `[NAME=]CONFIG:ARGS` for bench_step.py. `--only`/`--skip` pick runs by name (shell
 patterns). With `--tree [LABEL=]DIR` (repeatable), every bench_step run is made once per
 tree, interleaved so that drift in the machine hits every tree alike, with DIR's own
@@ -65,7 +65,8 @@ def step(name: str, config: str, args: str, timeout: int = 400) -> Run:
 
 
 def peer(kind: str, shape: str, args: str = "", timeout: int = 400) -> Run:
-    script = {"resident": "torch_resident.py", "fsdp2": "fsdp2_offload.py"}[kind]
+    script = {"resident": "torch_resident.py", "fsdp2": "fsdp2_offload.py",
+              "deepspeed": "deepspeed_offload.py"}[kind]
     return Run(f"peer_{kind}_{shape}", (f"benchmarks/peers/{script}", shape,
                                         *shlex.split(args)), timeout)
 
@@ -89,6 +90,10 @@ PRESETS: dict[str, list[Run]] = {
     # parameter: 7b needs about 129 GiB of host, more than one H200 machine's 125.
     "peers": [peer(kind, shape, "--steps 6 --warmup 2")
               for kind in ("resident", "fsdp2") for shape in ("3b", "7b")],
+    # DeepSpeed ZeRO-3 offloading weights and optimizer (its wheels carried: see
+    # peers/deepspeed_wheels.sh); about 20 host bytes per parameter, so 7b needs more host
+    # than one H200 machine's 125 GiB. Its CPU Adam op compiles at the first run (~40 s).
+    "deepspeed": [peer("deepspeed", "3b", "--steps 6 --warmup 2", timeout=540)],
     # Batch 1, long sequences: a step takes about 50 s at 131072 tokens and 3 minutes at
     # 262144 (one of each fits a device call); all 32 layers at 524288 take about 12 minutes
     # a step, past a call's 10, so two layers of the width stand in (RESULTS.md, 2026-11-25).
@@ -217,7 +222,9 @@ def execute(run: Run, tree: tuple[str, Path], out: Path, timeout: float,
     args = [a.replace("{out}", str(out)) for a in run.argv[len(script):]]
     argv = [sys.executable, *script, *args, *(bench_args if run.per_tree else [])]
     argv += ["--out", str(out / f"{stem}.json")] if run.writes_json else []
-    env = {**os.environ, "PYTHONPATH": str(path), "PYTHONUNBUFFERED": "1",
+    # The tree first; then what the caller had (carried wheels, e.g. a peer's DeepSpeed).
+    paths = [str(path), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1",
            "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     print(f"== {stem}: {shlex.join(argv[1:])}", flush=True)
     start = time.perf_counter()

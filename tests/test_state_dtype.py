@@ -169,13 +169,56 @@ def test_resume_with_compact_moments_is_bit_exact(tmp_path, state_dtype):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_a_checkpoint_with_other_moments_is_refused_with_the_setting(tmp_path):
-    common = ["model.layers=2", "loop.progress=none", "loop.checkpoint_every=2",
-              "loop.tensorboard=off", "loop.timeline_step=-1", f"loop.run_dir={tmp_path}"]
-    train(tiny(*common, "loop.steps=2"))
-    with pytest.raises(CheckpointError, match="holds float32 .* optim.state_dtype=float32"):
-        train(tiny(*common, "loop.steps=4", "optim.state_dtype=int8",
-                   "loop.accept_changes=true"))
+def _checkpointed(tmp_path, state_dtype, *more):
+    return tiny("model.layers=2", "loop.progress=none", "loop.checkpoint_every=3",
+                "loop.tensorboard=off", "loop.timeline_step=-1", "schedule.decay_steps=6",
+                "optim.lr=3e-3", f"loop.run_dir={tmp_path}", f"optim.state_dtype={state_dtype}",
+                *more)
+
+
+def test_other_moments_are_refused_unless_the_change_is_accepted(tmp_path):
+    train(_checkpointed(tmp_path, "float32", "loop.steps=3"))
+    with pytest.raises(CheckpointError, match="holds float32 .* optim.state_dtype=int8. "
+                       "Resume with optim.state_dtype=float32, or convert .* "
+                       "loop.accept_changes=true"):
+        train(_checkpointed(tmp_path, "int8", "loop.steps=6"))
+
+
+@pytest.mark.parametrize("stored, wanted", [("float32", "int8"), ("int8", "float32"),
+                                            ("float32", "bfloat16")])
+def test_moments_change_form_on_resume_when_accepted(tmp_path, stored, wanted):
+    """The checkpoint's moments come back in the run's form: compact.store of their fp32
+    values (widened first where they were compact), in the trainer's places; the weights as
+    they were; and the run goes on from there."""
+    from megatrain_jax.io.checkpoint import Checkpointer
+    from megatrain_jax.train import make_trainer
+    from megatrain_jax.train.resume import restore
+
+    train(_checkpointed(tmp_path, stored, "loop.steps=3"))
+    cfg = _checkpointed(tmp_path, wanted, "loop.steps=6", "loop.accept_changes=true")
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    try:
+        before = ckpt.restore(3, make_trainer(_checkpointed(tmp_path, stored)).abstract_state())[0]
+        after, meta = restore(ckpt, 3, make_trainer(cfg), cfg)
+    finally:
+        ckpt.close()
+    assert meta["step"] == 3
+    for x, y in zip(jax.tree.leaves(before["params"]), jax.tree.leaves(after["params"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert memory_kinds(after["opt_state"]["layers"][1]) == {"pinned_host"}
+    for name, signed in (("mu", True), ("nu", False)):
+        old = map_parts(lambda s, name=name: getattr(s[0], name), before["opt_state"])
+        new = map_parts(lambda s, name=name: getattr(s[0], name), after["opt_state"])
+        olds, news = (jax.tree.leaves(t, is_leaf=compact.is_moment) for t in (old, new))
+        assert len(olds) == len(news)
+        for o, n in zip(olds, news):
+            held = compact.Int8Moment(*map(np.asarray, o)) if isinstance(o, compact.Int8Moment) \
+                else np.asarray(o)
+            expected = compact.store(np, compact.widen(np, held, signed), n, signed)
+            for e, got in zip(jax.tree.leaves(expected), jax.tree.leaves(n)):
+                np.testing.assert_array_equal(np.asarray(got), e)
+    summary = train(cfg)
+    assert np.isfinite(summary["last_loss"]) and summary["state"].step == 6
 
 
 def test_what_compact_moments_cannot_do_is_refused():

@@ -208,6 +208,37 @@ def is_moment(x) -> bool:
     return isinstance(x, Int8Moment)
 
 
+def convert(tree, target, put: Callable):
+    """`tree` (arrays) with the moments of every Adam state in the form `target` holds them
+    (a tree of the same state in another optim.state_dtype, as ShapeDtypeStructs or arrays).
+    A moment of another form is widened to fp32 and stored anew on the host, then placed by
+    `put(value, like)` (a target leaf); the other leaves are `tree`'s own. Moments rounded to
+    a compact form stay rounded: widening them back gives the values they stood for."""
+
+    def convert_moments(like, moments, signed: bool):
+        def one(like, moment):
+            if isinstance(like, Int8Moment) == isinstance(moment, Int8Moment) and \
+                    (isinstance(like, Int8Moment) or like.dtype == moment.dtype):
+                return moment
+            held = Int8Moment(*map(np.asarray, moment)) if isinstance(moment, Int8Moment) \
+                else np.asarray(moment)
+            stored = store(np, widen(np, held, signed), like, signed)
+            if isinstance(stored, Int8Moment):
+                return Int8Moment(put(stored.codes, like.codes), put(stored.scales, like.scales))
+            return put(stored, like)
+
+        return jax.tree.map(one, like, moments, is_leaf=is_moment)
+
+    def convert_state(like, state):
+        if not isinstance(like, optax.ScaleByAdamState):
+            return state
+        return state._replace(mu=convert_moments(like.mu, state.mu, signed=True),
+                              nu=convert_moments(like.nu, state.nu, signed=False))
+
+    return jax.tree.map(convert_state, target, tree,
+                        is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+
+
 # ----- the host kernel's NumPy fallback --------------------------------------------------
 
 def host_moments(p, g, mu, nu, scale, b1, b2, eps, rbc1, rbc2, neg_lr, wd) -> None:

@@ -49,7 +49,7 @@ from megatrain_jax.tools.machine import (
     peak_flops,
 )
 from megatrain_jax.tools.progress import Progress
-from megatrain_jax.train.resume import check_continues, run_record
+from megatrain_jax.train.resume import check_continues, restore, run_record
 from megatrain_jax.train.trainers import make_trainer
 
 
@@ -97,7 +97,7 @@ def _resume(cfg: Config, trainer, ckpt: Checkpointer | None):
         return None, 0, 0
     step = ckpt.latest_step()
     check_continues(cfg, ckpt.read_meta(step), ckpt.directory / str(step))
-    tree, meta = ckpt.restore(step, trainer.abstract_state())
+    tree, meta = restore(ckpt, step, trainer, cfg)
     return (trainer.from_tree(tree, step, meta.get("state", {})), meta["data_position"],
             meta.get("skipped_steps", 0))
 
@@ -332,7 +332,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
                               "with loop.checkpoint_every=N to write some.")
     trainer = make_trainer(cfg)
     try:
-        tree, _ = ckpt.restore(step, trainer.abstract_state())
+        tree, _ = restore(ckpt, step, trainer, cfg)
     finally:
         ckpt.close()
     return _export(tree["params"], cfg, out_dir, dtype, progress)

@@ -81,6 +81,31 @@ def planned_changes(cfg: Config, saved: dict) -> tuple[list[str], list[str]]:
     return changes, hints
 
 
+def stored_state_dtype(meta: dict) -> str:
+    """The optim.state_dtype of a checkpoint's moments, from its record."""
+    return ((meta.get("config") or {}).get("optim") or {}).get("state_dtype", "float32")
+
+
+def restore(ckpt, step: int, trainer, cfg: Config) -> tuple[dict, dict]:
+    """(state tree, record) of checkpoint `step` in the form `trainer` keeps. Moments stored
+    in another optim.state_dtype (which check_continues lets through only with
+    loop.accept_changes) are read in their own form and converted (optim/compact.py): host
+    memory holds both forms of the moments while they convert."""
+    import jax
+
+    stored = stored_state_dtype(ckpt.read_meta(step))
+    if stored == cfg.optim.state_dtype:
+        return ckpt.restore(step, trainer.abstract_state())
+    from megatrain_jax.optim import compact
+    from megatrain_jax.train.trainers import make_trainer
+
+    as_stored = make_trainer(dataclasses.replace(
+        cfg, optim=dataclasses.replace(cfg.optim, state_dtype=stored)))
+    tree, meta = ckpt.restore(step, as_stored.abstract_state())
+    put = lambda value, like: jax.device_put(value, like.sharding)  # noqa: E731
+    return compact.convert(tree, trainer.abstract_state(), put), meta
+
+
 def check_continues(cfg: Config, meta: dict, folder: Path) -> None:
     """Refuses to resume from the checkpoint in `folder` (whose record is `meta`) a run that
     would not continue it: another model, a finished run, or changed planned steps."""
@@ -92,13 +117,13 @@ def check_continues(cfg: Config, meta: dict, folder: Path) -> None:
                            for k in differ[:5])
         raise CheckpointError(f"checkpoint {folder} is of another model ({detail}). Use "
                               "another loop.run_dir, or move its checkpoints away.")
-    stored = saved.get("optim", {}).get("state_dtype", "float32")
-    if saved and stored != cfg.optim.state_dtype:
+    stored = stored_state_dtype(meta)
+    if saved and stored != cfg.optim.state_dtype and not cfg.loop.accept_changes:
         raise CheckpointError(
             f"checkpoint {folder} holds {stored} optimizer moments and this run asks for "
-            f"optim.state_dtype={cfg.optim.state_dtype}: the moments cannot change form on "
-            f"resume. Resume with optim.state_dtype={stored}, or start in another "
-            "loop.run_dir.")
+            f"optim.state_dtype={cfg.optim.state_dtype}. Resume with optim.state_dtype="
+            f"{stored}, or convert the moments on purpose with loop.accept_changes=true "
+            "(compact moments are rounded: the run no longer equals an unbroken one).")
     step = meta["step"]
     old = _saved_config(cfg, saved)
     if step >= cfg.loop.steps:

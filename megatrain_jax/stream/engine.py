@@ -150,7 +150,9 @@ class StreamEngine:
                     f"micro-batches over {n} devices: make the batch size a multiple of "
                     f"{m * n} (data.batch_size), or use fewer devices (mesh.data)")
         normalizer = self.templates.normalizer or (lambda b: jnp.sum(b["mask"]))
-        denom = np.asarray(jnp.maximum(normalizer(host), 1.0))
+        # Left on the device it was computed on: placing it is a device-to-device copy, with
+        # no wait for the work queued there (several processes read it back to place it).
+        denom = jnp.maximum(normalizer(host), 1.0)
         micro = {k: a.reshape(m, a.shape[0] // m, *a.shape[1:]) for k, a in host.items()}
         return self.placement.place_batch(micro), self.placement.place(denom, DEVICE_KIND)
 

@@ -35,10 +35,10 @@ from megatrain_jax.tools import plan  # noqa: E402  (no JAX yet: the pool is siz
 from megatrain_jax.tools.roofline import (  # noqa: E402
     Rates,
     at_optimizer_rate,
-    bound,
-    gradient_bytes,
+    bound_for,
     measure,
     streamed_params,
+    update_bytes,
 )
 
 
@@ -158,15 +158,11 @@ def run(cfg, trainer, state, args):
         best = at_optimizer_rate(
             Rates.from_result(roofline),
             max(roofline["optimizer_gparams"], roofline["optimizer_sample_gparams"]),
-            roofline["host_memory_kernel_gbps"])
-        resident = cfg.stream.resident_layers
-        grad_bytes = gradient_bytes(cfg)
-        roofline["step_s_best_rate"] = bound(cfg.model, best, resident_layers=resident,
-                                             grad_bytes=grad_bytes)["step_s"]
+            roofline["host_memory_kernel_gbps"], update_bytes(cfg))
+        roofline["step_s_best_rate"] = bound_for(cfg, best)["step_s"]
         # The bound without the host memory's traffic, comparable with bounds that lack it.
-        roofline["step_s_no_host_memory"] = bound(
-            cfg.model, dataclasses.replace(Rates.from_result(roofline), host_memory_gbps=0.0),
-            resident_layers=resident, grad_bytes=grad_bytes)["step_s"]
+        roofline["step_s_no_host_memory"] = bound_for(
+            cfg, dataclasses.replace(Rates.from_result(roofline), host_memory_gbps=0.0))["step_s"]
         roofline["ratio_no_host_memory"] = step_s / roofline["step_s_no_host_memory"]
         roofline["ratio"] = step_s / roofline["step_s"]
         roofline["ratio_best_rate"] = step_s / roofline["step_s_best_rate"]

@@ -148,8 +148,7 @@ def cmd_plan(args) -> int:
         from megatrain_jax.tools import roofline
 
         resident = cfg.stream.resident_layers
-        b = roofline.bound(cfg.model, rates, resident_layers=resident,
-                           grad_bytes=roofline.gradient_bytes(cfg))
+        b = roofline.bound_for(cfg, rates)
         tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step,
                                                resident)
         host_rate = f"{rates.host_memory_gbps:.0f} GB/s" if rates.host_memory_gbps else "unmeasured"

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megatrain_jax.cli import main
-from megatrain_jax.config import ConfigError, load_config, shipped_configs
+from megatrain_jax.config import ConfigError, load_config, memory, shipped_configs
 from megatrain_jax.tools import plan, roofline
 
 GiB = 2**30
@@ -210,6 +210,50 @@ def test_host_memory_traffic_bounds_each_phase():
     serial = roofline.bound(cfg.model, dataclasses.replace(rates, host_memory_gbps=100,
                                                            overlapped_update=False))
     assert serial["host_memory_forward_s"] == pytest.approx(4 * p / 100e9)
+
+
+def test_the_update_moves_the_bytes_of_its_moments():
+    """fp32 moments: 28 bytes per parameter through host memory; bf16 moments 20; int8
+    about 16 (a byte and a share of a block's scale per moment, each way); bf16 gradients 2
+    fewer. The forward's host-memory term carries them."""
+    cfg = load_config("7b")
+    per_mode = {mode: roofline.update_bytes(memory.replaced(cfg, "optim", state_dtype=mode))
+                for mode in ("float32", "bfloat16", "int8")}
+    assert per_mode == {"float32": 28, "bfloat16": 20,
+                        "int8": pytest.approx(16 + 16 / 256)}
+    bf16_grads = memory.replaced(cfg, "stream", grad_dtype="bfloat16")
+    assert roofline.update_bytes(bf16_grads) == pytest.approx(28 - 2 * (
+        bf16_grads.model.layers * bf16_grads.model.params_per_layer) / cfg.model.num_params)
+    rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
+                           layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
+                           host_memory_gbps=100)
+    p = cfg.model.num_params
+    for mode, nbytes in per_mode.items():
+        b = roofline.bound_for(memory.replaced(cfg, "optim", state_dtype=mode), rates)
+        assert b["host_memory_forward_s"] == pytest.approx((nbytes + 4) * p / 100e9)
+
+
+def test_a_speculated_update_moves_its_time_to_the_backward():
+    """With stream.speculate=on the update's bytes and time sit beside the backward; the
+    forward keeps the weight pass; layer 0's update follows the last gradient."""
+    cfg = load_config("7b", ["stream.speculate=on"])
+    p, layer = cfg.model.num_params, cfg.model.params_per_layer
+    rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
+                           layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
+                           host_memory_gbps=100)
+    b = roofline.bound_for(cfg, rates)
+    assert b["host_memory_forward_s"] == pytest.approx(4 * p / 100e9)
+    assert b["host_memory_backward_s"] == pytest.approx((4 + 4 + 28) * p / 100e9)
+    forward = max(b["compute_forward_s"], b["h2d_per_pass_s"], b["host_memory_forward_s"])
+    backward = max(b["compute_backward_s"], b["d2h_s"], b["optimizer_s"],
+                   b["host_memory_backward_s"])
+    assert b["step_s"] == pytest.approx(forward + rates.head_s + backward + layer / 4e9)
+    # Off, or with the update on the device, the schedule is the usual one.
+    usual = roofline.bound_for(load_config("7b"), rates)
+    assert usual["host_memory_forward_s"] == pytest.approx((28 + 4) * p / 100e9)
+    serial = dataclasses.replace(rates, overlapped_update=False)
+    assert roofline.bound_for(cfg, serial)["step_s"] == \
+        roofline.bound_for(load_config("7b"), serial)["step_s"]
 
 
 def test_measured_host_memory_is_at_least_what_the_update_moved():

@@ -67,11 +67,17 @@ class Rates:
 
 
 def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
-          resident_layers: int = 0, grad_bytes: float = 4) -> dict:
+          resident_layers: int = 0, grad_bytes: float = 4, update_bytes: float | None = None,
+          speculate: bool = False) -> dict:
     """Seconds per component and both bounds, for one step of `model` at the given rates.
 
     `grad_bytes`: bytes per streamed parameter of the gradients that travel to the host and
     that the update reads there (`gradient_bytes(cfg)`: 2 for bf16 layer gradients).
+    `update_bytes`: host memory bytes per parameter of the host update (`update_bytes(cfg)`;
+    None: fp32 moments, HOST_UPDATE_BYTES with the gradients at `grad_bytes`).
+    `speculate`: the update runs beside the backward (stream.speculate=on, no step undone):
+    its time and bytes move from the forward to the backward, and the next forward still
+    waits for layer 0's update, which starts when its gradient arrives.
 
     `resident_layers` kept in GPU memory neither travel nor load the host: the link, the
     host optimizer and the host memory carry the other parameters only. (Their own update
@@ -84,11 +90,18 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     backward = model.layers * rates.layer_backward_s
     head = rates.head_s
     optimizer = p / (rates.optimizer_gparams * 1e9)
-    host = _host_memory_seconds(p, rates, bytes_per_param, grad_bytes)
+    if update_bytes is None:
+        update_bytes = HOST_UPDATE_BYTES - (4 - grad_bytes)
+    speculate = speculate and rates.overlapped_update
+    host = _host_memory_seconds(p, rates, bytes_per_param, grad_bytes, update_bytes, speculate)
     ideal = max(forward + head + backward, 2 * weight_pass, gradients, optimizer,
                 host["forward"] + host["backward"])
     backward_step = max(backward, weight_pass, gradients, host["backward"])
-    if rates.overlapped_update:
+    if speculate:
+        last_layer = model.params_per_layer / (rates.optimizer_gparams * 1e9)
+        step = (max(forward, weight_pass, host["forward"]) + head
+                + max(backward_step, optimizer) + last_layer)
+    elif rates.overlapped_update:
         step = max(forward, weight_pass, optimizer, host["forward"]) + head + backward_step
     else:
         step = max(forward, weight_pass) + head + backward_step + optimizer
@@ -107,10 +120,19 @@ def streamed_params(model: ModelConfig, resident_layers: int = 0) -> int:
     return model.num_params - resident_layers * model.params_per_layer
 
 
-def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float) -> Rates:
+def bound_for(cfg, rates: Rates) -> dict:
+    """`bound` of the step `cfg` trains: its resident layers, gradients' and update's bytes,
+    and speculation where it is always on."""
+    return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
+                 grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
+                 speculate=cfg.stream.speculate == "on")
+
+
+def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
+                      update_bytes: float = HOST_UPDATE_BYTES) -> Rates:
     """`rates` with the optimizer at `gparams` G params/s, and the host memory's bandwidth the
     larger of a streaming kernel's and what a host update at that rate moves through it."""
-    moved = gparams * HOST_UPDATE_BYTES if rates.overlapped_update else 0.0
+    moved = gparams * update_bytes if rates.overlapped_update else 0.0
     return dataclasses.replace(rates, optimizer_gparams=gparams,
                                host_memory_gbps=max(kernel_gbps, moved))
 
@@ -127,16 +149,29 @@ def gradient_bytes(cfg) -> float:
     return (2 * layers + 4 * (streamed - layers)) / max(streamed, 1)
 
 
-def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int,
-                         grad_bytes: float = 4) -> dict:
+def update_bytes(cfg) -> float:
+    """Host memory bytes per host-held parameter of the in-place update: the weights read and
+    written (8), the gradients read (`gradient_bytes`), both moments read and written as
+    optim.state_dtype stores them (16 in fp32, 8 in bf16, about 4.06 in int8). Vectors keep
+    fp32 moments in every form: a share too small to count."""
+    from megatrain_jax.config.memory import optimizer_bytes
+
+    return 8 + gradient_bytes(cfg) + 2 * optimizer_bytes(cfg)
+
+
+def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int, grad_bytes: float,
+                         update_bytes: float, speculate: bool) -> dict:
     """Seconds of host DRAM traffic in the forward (the overlapped update and the weight pass)
-    and in the backward (the weight pass and the gradients); 0 where the bandwidth is unknown.
-    A device update is bound by the link, not by host memory, so it adds nothing here."""
+    and in the backward (the weight pass and the gradients; the update too, speculated); 0
+    where the bandwidth is unknown. A device update is bound by the link, not by host memory,
+    so it adds nothing here."""
     if rates.host_memory_gbps <= 0:
         return {"forward": 0.0, "backward": 0.0}
-    # the update reads the gradients at their own size (HOST_UPDATE_BYTES counts fp32)
-    update = HOST_UPDATE_BYTES - (4 - grad_bytes) if rates.overlapped_update else 0
+    update = update_bytes if rates.overlapped_update else 0
     per_byte = params / (rates.host_memory_gbps * 1e9)
+    if speculate:
+        return {"forward": bytes_per_param * per_byte,
+                "backward": (bytes_per_param + grad_bytes + update) * per_byte}
     return {"forward": (update + bytes_per_param) * per_byte,
             "backward": (bytes_per_param + grad_bytes) * per_byte}
 
@@ -231,10 +266,8 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     rates = at_optimizer_rate(
         Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
               overlapped_update=engine.host_optimizer is not None),
-        optimizer_gparams or sample, memory)
-    return {**dataclasses.asdict(rates),
-            **bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
-                    grad_bytes=gradient_bytes(cfg)),
+        optimizer_gparams or sample, memory, update_bytes(cfg))
+    return {**dataclasses.asdict(rates), **bound_for(cfg, rates),
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": memory}
 
 

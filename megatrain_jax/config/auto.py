@@ -13,9 +13,9 @@ JAX starts) make the same choice from the same numbers:
 from __future__ import annotations
 
 # cuDNN's fused attention (bf16/fp16 on a GPU) is used up to this length, beyond it the
-# blockwise attention. On the H200 (2026-11-24, benchmarks/attention_limits.py, 7b's 32 heads)
-# cuDNN ran causal forward and backward at 131072, 262144 and 524288 tokens at about 550
-# TFLOP/s, 7.5 times the blockwise attention's rate: the longest length measured.
+# blockwise attention. On the H200, 7b trained with it at 1 x 262144 and two layers of 7b's
+# width at 1 x 524288 (about 22 s a layer, some 450 TFLOP/s: benchmarks/RESULTS.md,
+# 2026-11-25), the longest length measured; `benchmarks/attention_limits.py` times both paths.
 CUDNN_MAX_SEQ = 524288
 # XLA's attention holds [rows, H, S, S] fp32 scores and their gradient (at 4096 tokens and
 # 32 heads, 2 GiB a copy): beyond this length `auto` runs the blockwise attention instead.

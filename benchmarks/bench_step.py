@@ -93,7 +93,12 @@ def run(cfg, trainer, state, args):
 
     from megatrain_jax.io.data import TokenSource
     from megatrain_jax.stream.placement import memory_kinds
-    from megatrain_jax.tools.machine import host_rss_bytes, peak_device_bytes, peak_flops
+    from megatrain_jax.tools.machine import (
+        host_rss_bytes,
+        host_rss_parts_bytes,
+        peak_device_bytes,
+        peak_flops,
+    )
 
     data = TokenSource(cfg)
     times, losses, norms, guesses = [], [], [], []
@@ -141,6 +146,7 @@ def run(cfg, trainer, state, args):
     peak = peak_flops()
     host_kinds = memory_kinds((state.params, state.opt_state)) if engine else set()
     rss = host_rss_bytes()
+    rss_parts = host_rss_parts_bytes()  # now, after the timed steps, before any measuring
     # The state's own bytes in host memory (weights, optimizer state): the RSS beyond them
     # and the gradients is the runtime's overhead.
     state_bytes = sum(a.nbytes for a in jax.tree.leaves((state.params, state.opt_state))
@@ -181,6 +187,9 @@ def run(cfg, trainer, state, args):
         "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
         "peak_host_rss_gib": rss / 2**30, "host_bytes_per_param": rss / p,
         "host_state_gib": state_bytes / 2**30,
+        # Resident memory by kind after the timed steps: pinned state and heap are `anon`,
+        # the CUDA, cuDNN and XLA libraries' mapped code `file`.
+        "host_rss_now_by_kind_gib": {k: v / 2**30 for k, v in rss_parts.items()},
         # Layers whose inputs waited on pinned host (stream.saved_inputs; auto's split).
         "saved_inputs_on_host": engine.placement.host_inputs if engine is not None else None,
         "losses": losses, "grad_norms": norms,

@@ -35,3 +35,21 @@ def host_rss_now_bytes() -> int:
             return int(statm.read().split()[1]) * resource.getpagesize()
     except (OSError, IndexError, ValueError):
         return host_rss_bytes()
+
+
+def host_rss_parts_bytes() -> dict[str, int]:
+    """This process's resident memory now by kind (Linux /proc/self/status; empty elsewhere):
+    `anon` (the heap, pinned buffers), `file` (mapped files: the CUDA, cuDNN and XLA
+    libraries' code among them) and `shmem`. What the runtime holds beyond the state is
+    mostly one or the other."""
+    parts = {"RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    found = {}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in parts:
+                    found[parts[key]] = int(value.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return {}
+    return found

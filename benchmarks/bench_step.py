@@ -109,9 +109,9 @@ def run(cfg, trainer, state, args):
         loss = float(np.asarray(metrics["loss"]))
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-        peak = peak_device_bytes()
+        gpu_peak = peak_device_bytes() or 0
         print(f"step {step + 1}/{args.warmup + args.steps}: {times[-1]:.3f} s, loss {loss:.4f}, "
-              f"GPU peak {(peak or 0) / 2**30:.2f} GiB, host peak "
+              f"GPU peak {gpu_peak / 2**30:.2f} GiB, host peak "
               f"{host_rss_bytes() / 2**30:.2f} GiB",
               file=sys.stderr, flush=True)  # the log shows progress, even of a killed run
         norms.append(float(np.asarray(metrics["grad_norm"])))

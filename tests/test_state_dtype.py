@@ -153,13 +153,18 @@ def test_streamed_matches_the_reference_in_each_state_dtype(state_dtype):
             assert max_rel_error(ours, theirs) <= 2.0**-7
 
 
+def _checkpointed(run_dir, state_dtype, *more):
+    """A 2-layer tiny run checkpointed every 3 steps, its schedule fixed at 6 steps."""
+    return tiny("model.layers=2", "loop.progress=none", "loop.checkpoint_every=3",
+                "loop.tensorboard=off", "loop.timeline_step=-1", "schedule.decay_steps=6",
+                f"loop.run_dir={run_dir}", f"optim.state_dtype={state_dtype}", *more)
+
+
 @pytest.mark.parametrize("state_dtype", COMPACT)
 def test_resume_with_compact_moments_is_bit_exact(tmp_path, state_dtype):
     def cfg(run, steps):
-        return tiny("model.layers=2", f"optim.state_dtype={state_dtype}", "loop.log_every=1",
-                    "loop.progress=none", "loop.checkpoint_every=3", "loop.tensorboard=off",
-                    "loop.timeline_step=-1", "schedule.decay_steps=6",
-                    f"loop.run_dir={tmp_path / run}", f"loop.steps={steps}")
+        return _checkpointed(tmp_path / run, state_dtype, "loop.log_every=1",
+                             f"loop.steps={steps}")
 
     straight = train(cfg("a", 6))
     train(cfg("b", 3))
@@ -167,13 +172,6 @@ def test_resume_with_compact_moments_is_bit_exact(tmp_path, state_dtype):
     for x, y in zip(jax.tree.leaves((straight["state"].params, straight["state"].opt_state)),
                     jax.tree.leaves((resumed["state"].params, resumed["state"].opt_state))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def _checkpointed(tmp_path, state_dtype, *more):
-    return tiny("model.layers=2", "loop.progress=none", "loop.checkpoint_every=3",
-                "loop.tensorboard=off", "loop.timeline_step=-1", "schedule.decay_steps=6",
-                "optim.lr=3e-3", f"loop.run_dir={tmp_path}", f"optim.state_dtype={state_dtype}",
-                *more)
 
 
 def test_other_moments_are_refused_unless_the_change_is_accepted(tmp_path):

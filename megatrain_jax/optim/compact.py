@@ -215,10 +215,12 @@ def convert(tree, target, put: Callable):
     `put(value, like)` (a target leaf); the other leaves are `tree`'s own. Moments rounded to
     a compact form stay rounded: widening them back gives the values they stood for."""
 
+    def form(moment):  # "int8", or the dtype of a moment held as one array
+        return "int8" if isinstance(moment, Int8Moment) else np.dtype(moment.dtype).name
+
     def convert_moments(like, moments, signed: bool):
         def one(like, moment):
-            if isinstance(like, Int8Moment) == isinstance(moment, Int8Moment) and \
-                    (isinstance(like, Int8Moment) or like.dtype == moment.dtype):
+            if form(like) == form(moment):
                 return moment
             held = Int8Moment(*map(np.asarray, moment)) if isinstance(moment, Int8Moment) \
                 else np.asarray(moment)

@@ -3,6 +3,8 @@
 import dataclasses
 import functools
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -309,3 +311,18 @@ def test_bf16_layer_gradients_are_exact():
     for x, y in zip(jax.tree.leaves((halves.params, halves.opt_state)),
                     jax.tree.leaves((full.params, full.opt_state))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_an_exit_right_after_a_step_lets_its_host_update_finish(tmp_path):
+    """The worker is a daemon thread; a process that ends while it still writes must wait
+    for it (an exit mid-update once aborted the process inside XLA)."""
+    done = tmp_path / "done"
+    script = (
+        "import time, pathlib\n"
+        "from megatrain_jax.stream import UpdateQueue\n"
+        "q = UpdateQueue()\n"
+        f"q.submit('layer 0', lambda: (time.sleep(1.0), pathlib.Path({str(done)!r}).touch()))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert done.exists()

@@ -12,14 +12,33 @@ nothing, so an untraced step runs bare. Subclasses record more:
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from typing import Callable
 
 import jax
 
 LANES = ("h2d", "compute", "d2h", "host update", "waits")
+
+# Owners of worker threads that may still be inside XLA when the interpreter exits: a daemon
+# thread that returns from C++ after finalization began is torn down by a forced unwind,
+# which aborts the process ("FATAL: exception not rethrown"). Each owner's `finish_at_exit`
+# runs before that, so an exit right after a step lets its host update end first.
+_WORKERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def finish_at_exit(owner) -> None:
+    """Registers `owner` (weakly): `owner.finish_at_exit()` runs at interpreter exit."""
+    _WORKERS.add(owner)
+
+
+@atexit.register
+def _finish_workers() -> None:
+    for owner in list(_WORKERS):
+        owner.finish_at_exit()
 
 
 class Tracer:
@@ -86,6 +105,7 @@ class Timeline(Tracer):
         self._watched: dict[str, list] = {}
         self._queues: dict[str, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
+        finish_at_exit(self)
 
     def issued(self, lane: str, name: str, tree):
         if lane not in self._queues:
@@ -113,12 +133,15 @@ class Timeline(Tracer):
             self._watched[lane].append((name, issued, time.perf_counter()))
             del tree, item
 
-    def finish(self) -> list[dict]:
-        """Waits for every watched result; returns all bars sorted by start."""
+    def finish_at_exit(self) -> None:
         for q in self._queues.values():
             q.put(None)
         for thread in self._threads:
             thread.join()
+
+    def finish(self) -> list[dict]:
+        """Waits for every watched result; returns all bars sorted by start."""
+        self.finish_at_exit()
         bars = list(self.spans)
         for lane, done in self._watched.items():
             previous_end = 0.0

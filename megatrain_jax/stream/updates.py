@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable
 
-from megatrain_jax.stream.trace import Tracer
+from megatrain_jax.stream.trace import Tracer, finish_at_exit
 
 
 class UpdateQueue:
@@ -41,6 +41,7 @@ class UpdateQueue:
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="megatrain-host-update")
         self._thread.start()
+        finish_at_exit(self)
 
     def submit(self, part: str, work: Callable[[], None]) -> None:
         with self._lock:
@@ -66,6 +67,12 @@ class UpdateQueue:
     def close(self) -> None:
         """No more work: the worker ends once the queue is drained."""
         self._work.put(None)
+
+    def finish_at_exit(self) -> None:
+        """Lets the submitted work end (a process never exits halfway through writing the
+        master weights), then the worker."""
+        self.close()
+        self._thread.join()
 
     @property
     def seconds(self) -> float:

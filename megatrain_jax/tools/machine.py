@@ -1,5 +1,5 @@
-"""What this machine offers and what the process uses: peak FLOP/s for MFU, peak GPU bytes,
-host RSS (peak and now). Read after JAX has started."""
+"""What this machine offers and what the process uses: peak FLOP/s for MFU, GPU bytes (peak and
+now), host RSS (peak and now). Read after JAX has started."""
 
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ def peak_device_bytes() -> int | None:
     """Peak bytes in use on device 0, where the backend reports it (GPUs; not the CPU)."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+def device_bytes_now() -> int | None:
+    """Bytes in use on device 0 now, where the backend reports it: shows growth that the
+    peak, set early, would hide."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_in_use")
 
 
 def host_rss_bytes() -> int:
@@ -53,3 +60,9 @@ def host_rss_parts_bytes() -> dict[str, int]:
     except (OSError, ValueError, IndexError):
         return {}
     return found
+
+
+def memory_record() -> dict:
+    """The process's memory for a metrics record: GPU peak and now, host RSS peak and now."""
+    return {"peak_device_bytes": peak_device_bytes(), "device_bytes_now": device_bytes_now(),
+            "host_rss_bytes": host_rss_bytes(), "host_rss_now_bytes": host_rss_now_bytes()}

@@ -188,7 +188,9 @@ def report(run_dir: str | Path) -> tuple[list[Path], list[str]]:
     written.append(run_dir / "speed.png")
     _plot_series(plt, run_dir / "memory.png", "memory",
                  {"peak GPU": col("peak_device_bytes", 2**30),
-                  "host RSS": col("host_rss_bytes", 2**30)}, "GiB")
+                  "GPU in use": col("device_bytes_now", 2**30),
+                  "peak host RSS": col("host_rss_bytes", 2**30),
+                  "host RSS": col("host_rss_now_bytes", 2**30)}, "GiB")
     written.append(run_dir / "memory.png")
     if timeline:
         plot_timeline(plt, run_dir / "timeline.png", timeline)

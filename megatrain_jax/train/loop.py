@@ -42,12 +42,7 @@ from megatrain_jax.io.checkpoint import (
 )
 from megatrain_jax.io.data import TokenSource
 from megatrain_jax.stream import Timeline
-from megatrain_jax.tools.machine import (
-    host_rss_bytes,
-    host_rss_now_bytes,
-    peak_device_bytes,
-    peak_flops,
-)
+from megatrain_jax.tools.machine import memory_record, peak_flops
 from megatrain_jax.tools.progress import Progress
 from megatrain_jax.train.resume import check_continues, restore, run_record
 from megatrain_jax.train.trainers import make_trainer
@@ -266,8 +261,7 @@ def _loop(cfg: Config, trainer, state, start: int, skipped: int, data: TokenSour
             tokens_per_s = steps_done * cfg.data.tokens_per_step / seconds
             record.update(step=step + 1, skipped_steps=skipped,
                           step_seconds=seconds / steps_done,
-                          tokens_per_s=tokens_per_s, peak_device_bytes=peak_device_bytes(),
-                          host_rss_bytes=host_rss_bytes(), host_rss_now_bytes=host_rss_now_bytes())
+                          tokens_per_s=tokens_per_s, **memory_record())
             record["mfu"] = 6 * cfg.model.num_params * tokens_per_s / peak if peak else None
             history.append(record)
             metrics_file.write(json.dumps(record) + "\n")

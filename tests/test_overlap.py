@@ -5,6 +5,7 @@ import functools
 import json
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from megatrain_jax import model, optim
 from megatrain_jax.io.data import TokenSource
 from megatrain_jax.optim import HostAdamW, decay_mask
 from megatrain_jax.optim.adamw_inverse import UNDO_ULPS
-from megatrain_jax.stream import Placement
+from megatrain_jax.stream import Placement, UpdateQueue
 from megatrain_jax.stream.placement import map_parts
 from megatrain_jax.train import StreamTrainer, train
 from megatrain_jax.train.reference import ReferenceTrainer
@@ -326,3 +327,22 @@ def test_an_exit_right_after_a_step_lets_its_host_update_finish(tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert done.exists()
+
+
+def test_every_step_update_runs_on_one_worker_in_submission_order():
+    """Queues of successive steps share one long-lived thread: a step's work runs after the
+    last step's, and no thread is started per step."""
+    ran = []
+    first, second = UpdateQueue(), UpdateQueue()
+    release = threading.Event()
+    first.submit("layer 0", lambda: (release.wait(), ran.append(("first", threading.get_ident()))))
+    second.submit("layer 0", lambda: ran.append(("second", threading.get_ident())))
+    assert not second.done("layer 0")  # queued behind the first step's work
+    release.set()
+    second.wait()
+    first.close()
+    assert [name for name, _ in ran] == ["first", "second"]
+    assert len({ident for _, ident in ran}) == 1
+    assert threading.get_ident() not in {ident for _, ident in ran}
+    with pytest.raises(RuntimeError, match="closed"):
+        first.submit("layer 1", lambda: None)

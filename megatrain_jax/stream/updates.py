@@ -1,4 +1,4 @@
-"""The host update queue: one step's in-place updates, part by part, on a worker thread.
+"""The host update queue: one step's in-place updates, part by part, off the main thread.
 
 The schedule submits each part's update as soon as it may run; the next step's forward
 waits for a part only when it fetches that part. Work runs in submission order; each part
@@ -12,16 +12,66 @@ has one completion event, keyed by its name.
 Submitting a part again (a redo after validation) clears its event until the new work is
 done. An error in the work stops the queue's later work and is raised by `wait` in the
 caller's thread.
+
+Every queue's work runs on one long-lived worker thread per process, in submission order
+across queues too (a step's update never overtakes the last one's). One thread for the
+whole run keeps the state the native libraries hold per thread from being built and torn
+down every step, which grew the heap of long runs.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 from typing import Callable
 
 from megatrain_jax.stream.trace import Tracer, finish_at_exit
+
+
+class _Worker:
+    """The thread that runs every queue's work, one item at a time."""
+
+    def __init__(self):
+        self._work: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="megatrain-host-update")
+        self._thread.start()
+        finish_at_exit(self)
+
+    def put(self, run: Callable[[], None]) -> None:
+        self._work.put(run)
+
+    def _run(self) -> None:
+        while (run := self._work.get()) is not None:
+            run()
+
+    def finish_at_exit(self) -> None:
+        """Lets the submitted work end (a process never exits halfway through writing the
+        master weights), then the thread."""
+        self._work.put(None)
+        self._thread.join()
+
+
+_worker: _Worker | None = None
+_worker_lock = threading.Lock()
+
+
+def _shared_worker() -> _Worker:
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = _Worker()
+        return _worker
+
+
+def _forget_worker() -> None:  # a forked child has no thread: it starts its own
+    global _worker
+    _worker = None
+
+
+os.register_at_fork(after_in_child=_forget_worker)
 
 
 class UpdateQueue:
@@ -37,19 +87,18 @@ class UpdateQueue:
         self._all_done.set()
         self._lock = threading.Lock()
         self._outstanding = 0
-        self._work: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="megatrain-host-update")
-        self._thread.start()
-        finish_at_exit(self)
+        self._closed = False
+        self._worker = _shared_worker()
 
     def submit(self, part: str, work: Callable[[], None]) -> None:
+        if self._closed:
+            raise RuntimeError("this step's update queue is closed: submit to the next one")
         with self._lock:
             self._events.setdefault(part, threading.Event()).clear()
             self._pending[part] = self._pending.get(part, 0) + 1
             self._outstanding += 1
             self._all_done.clear()
-        self._work.put((part, work))
+        self._worker.put(lambda: self._run(part, work))
 
     def done(self, part: str) -> bool:
         """Whether `part` has no update pending, without waiting."""
@@ -65,14 +114,8 @@ class UpdateQueue:
             raise RuntimeError("the host optimizer update failed") from self.error
 
     def close(self) -> None:
-        """No more work: the worker ends once the queue is drained."""
-        self._work.put(None)
-
-    def finish_at_exit(self) -> None:
-        """Lets the submitted work end (a process never exits halfway through writing the
-        master weights), then the worker."""
-        self.close()
-        self._thread.join()
+        """No more work for this step's queue (what was submitted still runs)."""
+        self._closed = True
 
     @property
     def seconds(self) -> float:
@@ -81,25 +124,23 @@ class UpdateQueue:
             return 0.0
         return self.finished - self.started
 
-    def _run(self) -> None:
-        while (item := self._work.get()) is not None:
-            part, work = item
-            start = time.perf_counter()
-            if self.started is None:
-                self.started = start
-            try:
-                if self.error is None:
-                    work()
-            except BaseException as e:  # surfaced in the caller's thread by wait()
-                self.error = e
-            finally:
-                self.finished = time.perf_counter()
-                self.spans.append((part, start, self.finished))
-                self.tracer.span("host update", part, start, self.finished)
-                with self._lock:
-                    self._pending[part] -= 1
-                    if self._pending[part] == 0:
-                        self._events[part].set()
-                    self._outstanding -= 1
-                    if self._outstanding == 0:
-                        self._all_done.set()
+    def _run(self, part: str, work: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        if self.started is None:
+            self.started = start
+        try:
+            if self.error is None:
+                work()
+        except BaseException as e:  # surfaced in the caller's thread by wait()
+            self.error = e
+        finally:
+            self.finished = time.perf_counter()
+            self.spans.append((part, start, self.finished))
+            self.tracer.span("host update", part, start, self.finished)
+            with self._lock:
+                self._pending[part] -= 1
+                if self._pending[part] == 0:
+                    self._events[part].set()
+                self._outstanding -= 1
+                if self._outstanding == 0:
+                    self._all_done.set()

@@ -346,3 +346,27 @@ def test_every_step_update_runs_on_one_worker_in_submission_order():
     assert threading.get_ident() not in {ident for _, ident in ran}
     with pytest.raises(RuntimeError, match="closed"):
         first.submit("layer 1", lambda: None)
+
+
+def test_the_worker_trims_the_heap_every_so_many_steps(monkeypatch):
+    """After every TRIM_EVERY closed queues (steps), once their work is done, the worker
+    returns the heap's free pages (glibc keeps what its threads' arenas freed)."""
+    from megatrain_jax.stream import updates
+
+    trims, order = [], []
+    monkeypatch.setattr(updates, "TRIM_EVERY", 3)
+    monkeypatch.setattr(updates._shared_worker(), "_closed_queues", 0)  # other tests' steps
+    monkeypatch.setattr(updates, "release_free_heap",
+                        lambda: (trims.append(threading.get_ident()), order.append("trim")))
+    queues = []
+    for k in range(7):
+        queues.append(UpdateQueue())
+        queues[-1].submit("layer 0", lambda k=k: order.append(k))
+        queues[-1].close()
+    queues[-1].wait()
+    done = threading.Event()
+    queues.append(UpdateQueue())
+    queues[-1].submit("layer 0", done.set)
+    done.wait()
+    assert order[:8] == [0, 1, 2, "trim", 3, 4, 5, "trim"]
+    assert len(set(trims)) == 1 and threading.get_ident() not in trims

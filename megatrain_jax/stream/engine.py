@@ -77,6 +77,10 @@ class StreamState:
         return f"StreamState(step={self.step}, layers={len(self._params['layers'])})"
 
 
+# Host weights are given new buffers every this many steps (Placement.renew says why).
+RENEW_EVERY = 500
+
+
 class StreamEngine:
     def __init__(self, templates: Templates,
                  optimizer: optax.GradientTransformation | HostAdamW, *,
@@ -173,6 +177,8 @@ class StreamEngine:
         tracer = tracer or Tracer()
         start = time.perf_counter()
         update, on_gradient = None, None
+        if self.host_optimizer is not None and state.step and state.step % RENEW_EVERY == 0:
+            state = self._renew(state, before_write)
         if self.host_optimizer is not None:
             guess = self.host_optimizer.can_undo and policy(self.speculate, self.clip_norm,
                                                             state.last_grad_norm)
@@ -208,6 +214,18 @@ class StreamEngine:
         timings.update({f"wait_{what}_s": s for what, s in tracer.waits.items()})
         metrics.update({f"time_{name}": s for name, s in timings.items()})
         return new_state, metrics
+
+    def _renew(self, state: StreamState, before_write: Callable[[], None] | None):
+        """`state` with its host weights in new buffers, once its update is written and a
+        checkpoint reading them is done. The in-place host update is the one path whose
+        weight buffers live on from step to step (a device update makes new ones)."""
+        state.wait()
+        if before_write is not None:
+            before_write()
+        params = from_parts([part if self.placement.is_resident(k) else
+                             self.placement.renew(part)
+                             for k, part in enumerate(parts(state._params))])
+        return StreamState(params, state._opt_state, state.step, None, state.last_grad_norm)
 
     def _guesser(self, state: StreamState, update: StepUpdate) -> Callable:
         """The schedule's on_gradient: hands each host part's gradient to the update."""

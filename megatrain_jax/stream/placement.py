@@ -166,6 +166,24 @@ class Placement:
         return jax.device_put(tree, jax.tree.map(target, tree),
                               may_alias=False if copy else None)
 
+    def renew(self, tree):
+        """The same values in new host buffers, each old one deleted as soon as its copy is
+        made (so the copy costs one leaf of memory). For buffers used again and again: XLA's
+        GPU client keeps a record per host-to-device copy of a buffer that lives on (about
+        1.5 KB each, measured with jax 0.11.2), freed only with the buffer. Leaves not in
+        host memory are returned as they are."""
+        def fresh(a):
+            if not self.in_host_memory(a):
+                return a
+            shards = [jax.device_put(np.asarray(s.data), s.data.sharding, may_alias=False)
+                      for s in a.addressable_shards]
+            new = jax.make_array_from_single_device_arrays(a.shape, a.sharding, shards)
+            jax.block_until_ready(new)
+            a.delete()
+            return new
+
+        return jax.tree.map(fresh, tree)
+
     def place_params(self, params: dict, copy: bool = True) -> dict:
         """Each part of `params` (anywhere) moved to its home. Parts already at home are taken
         as they are, except device arrays with `copy` (a resident part's update donates its

@@ -90,6 +90,7 @@ def test_shipped_shapes_match_published_sizes():
         ("model.hidden", "not of the form section.key=value"),
         ("model.rope_scaling=2", "expected a mapping"),
         ("optim.name=sgd stream.update=host", "use stream.update=device"),
+        ("stream.speculate_share=0", "stream.speculate_share (0.0) must be within (0, 1]"),
     ],
 )
 def test_clear_errors(override, message):

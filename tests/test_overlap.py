@@ -128,6 +128,24 @@ def test_twenty_steps_with_guesses_match_the_reference(mode):
         assert max_rel_error(streamed, whole) <= 1e-4, moment
 
 
+def test_a_share_guesses_the_first_parts_of_the_backward_only():
+    """stream.speculate_share=0.5: the head and the last layers, up to half the host
+    parameters, are updated during the backward; the rest after it. Exact all the same."""
+    cfg = _cfg("stream.speculate=on", "stream.speculate_share=0.5")
+    ref_state, ref_losses, state, losses, norms, records = _train_both(cfg, 8)
+    engine = StreamTrainer(cfg).engine
+    sizes = [sum(leaf.size for leaf in jax.tree.leaves(part)) for part in
+             [state.params["embed"], *state.params["layers"], state.params["head"]]]
+    guessed = engine.guessed_parts([np.zeros(n) for n in sizes])
+    last = len(sizes) - 1
+    assert guessed == set(range(min(guessed), last + 1)) and 0 < len(guessed) < last
+    assert sum(sizes[k] for k in guessed) <= 0.5 * sum(sizes)
+    assert sum(sizes[k] for k in guessed) + sizes[min(guessed) - 1] > 0.5 * sum(sizes)
+    assert max(s for s, _ in _guess_counts(records)) == len(guessed)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert max_rel_error(state.params, ref_state.params) <= 1e-5
+
+
 def test_guesses_in_bfloat16_match_the_reference():
     """bf16 compute: the streamed and whole-model runs sum in other orders, so they agree
     to bf16's precision, with guesses as without."""

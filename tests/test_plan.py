@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -254,6 +255,26 @@ def test_a_speculated_update_moves_its_time_to_the_backward():
     serial = dataclasses.replace(rates, overlapped_update=False)
     assert roofline.bound_for(cfg, serial)["step_s"] == \
         roofline.bound_for(load_config("7b"), serial)["step_s"]
+
+
+def test_a_speculated_share_splits_the_update_between_the_passes():
+    """stream.speculate_share=f: f of the update's bytes and time beside the backward, the
+    rest beside the forward; the best share fills the backward's spare host memory."""
+    p = load_config("7b").model.num_params
+    rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
+                           layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
+                           host_memory_gbps=100)
+    b = roofline.bound_for(load_config("7b", ["stream.speculate=on",
+                                              "stream.speculate_share=0.25"]), rates)
+    assert b["host_memory_forward_s"] == pytest.approx((4 + 0.75 * 28) * p / 100e9)
+    assert b["host_memory_backward_s"] == pytest.approx((4 + 4 + 0.25 * 28) * p / 100e9)
+    share, seconds = roofline.best_speculate_share(load_config("7b"), rates)
+    # The backward's 0.96 s of compute leave the host memory room for 0.96 * 100e9 / p bytes
+    # a parameter, 8 of which the weights and gradients take: the share that fills it.
+    room = (32 * 0.03 * 100e9 / p - 8) / 28
+    assert share == pytest.approx(math.ceil(room * 20) / 20) and 0 < share < 1
+    assert seconds < min(roofline.bound_for(load_config("7b", [f"stream.speculate={m}"]),
+                                            rates)["step_s"] for m in ("on", "off"))
 
 
 def test_measured_host_memory_is_at_least_what_the_update_moved():

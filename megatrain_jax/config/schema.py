@@ -141,6 +141,10 @@ class StreamConfig:
     # redone when it does): off, auto (guess when the last step did not clip), on. Off by
     # default: on the H200 box the host memory is as busy in the backward (docs/guide.md).
     speculate: str = "off"
+    # The share of the host parameters, from the head down in the backward's order, whose
+    # update a guessing step starts during the backward; the rest are updated after it,
+    # beside the next forward. Below 1 splits the host memory's traffic between the two.
+    speculate_share: float = 1.0
     # Layer weight gradients D2H and on the host: float32, or bfloat16 (with bf16 compute and
     # one micro-batch): half their bytes; exact on the CPU, rounded on the GPU, where XLA
     # makes the weight gradients of bf16 matmuls in fp32 (docs/guide.md).
@@ -248,6 +252,9 @@ def validate(cfg: Config) -> Config:
         (cfg.loop.eval_every >= 0 and cfg.loop.eval_batches >= 1,
          "loop.eval_every must be >= 0 and loop.eval_batches >= 1"),
         (s.prefetch_depth >= 1, "stream.prefetch_depth must be >= 1"),
+        (0 < s.speculate_share <= 1,
+         f"stream.speculate_share ({s.speculate_share}) must be within (0, 1]; "
+         "stream.speculate=off guesses nothing"),
         (0 <= s.resident_layers <= m.layers,
          f"stream.resident_layers ({s.resident_layers}) must be within [0, model.layers = "
          f"{m.layers}]"),

@@ -87,9 +87,13 @@ class StreamEngine:
                  clip_norm: float = 1.0, prefetch_depth: int = 2,
                  saved_inputs: str = "device", micro_batches: int = 1,
                  learning_rate: Callable | None = None, device: jax.Device | None = None,
-                 resident_layers: int = 0, speculate: str = "off", mesh: Mesh | None = None):
+                 resident_layers: int = 0, speculate: str = "off", speculate_share: float = 1.0,
+                 mesh: Mesh | None = None):
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, got {speculate!r}")
+        if not 0 < speculate_share <= 1:
+            raise ValueError(f"speculate_share must be within (0, 1], got {speculate_share}")
+        self.speculate_share = speculate_share
         self.placement = Placement(resident_layers, device, saved_inputs, mesh)
         if self.placement.mesh is not None:
             templates = shard_templates(templates, self.placement.mesh)
@@ -228,14 +232,31 @@ class StreamEngine:
         return StreamState(params, state._opt_state, state.step, None, state.last_grad_norm)
 
     def _guesser(self, state: StreamState, update: StepUpdate) -> Callable:
-        """The schedule's on_gradient: hands each host part's gradient to the update."""
+        """The schedule's on_gradient: hands the gradients of the host parts within the
+        guessed share to the update."""
         names = part_names(len(state._params["layers"]))
         params, opt_state = parts(state._params), parts(state._opt_state)
+        guessed = self.guessed_parts(params)
 
         def on_gradient(k, grads, part_sq):
-            update.gradient_ready(names[k], params[k], grads, opt_state[k], part_sq)
+            if k in guessed:
+                update.gradient_ready(names[k], params[k], grads, opt_state[k], part_sq)
 
         return on_gradient
+
+    def guessed_parts(self, params: list) -> set[int]:
+        """Indices of the host parts a guessing step may update during the backward: from
+        the head down, in the order their gradients arrive, while their parameters stay
+        within `speculate_share` of the host's."""
+        size = [sum(leaf.size for leaf in jax.tree.leaves(part)) for part in params]
+        host = [k for k in range(len(params)) if not self.placement.is_resident(k)]
+        room, guessed = self.speculate_share * sum(size[k] for k in host), set()
+        for k in sorted(host, reverse=True):  # head, last layer, ..., embedding
+            if size[k] > room * (1 + 1e-9):
+                break
+            room -= size[k]
+            guessed.add(k)
+        return guessed
 
     def _host_update(self, state, grads, skipped: bool, scale, skip, update: StepUpdate,
                      tracer) -> StreamState:

@@ -68,16 +68,17 @@ class Rates:
 
 def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
           resident_layers: int = 0, grad_bytes: float = 4, update_bytes: float | None = None,
-          speculate: bool = False) -> dict:
+          speculate: float = 0.0) -> dict:
     """Seconds per component and both bounds, for one step of `model` at the given rates.
 
     `grad_bytes`: bytes per streamed parameter of the gradients that travel to the host and
     that the update reads there (`gradient_bytes(cfg)`: 2 for bf16 layer gradients).
     `update_bytes`: host memory bytes per parameter of the host update (`update_bytes(cfg)`;
     None: fp32 moments, HOST_UPDATE_BYTES with the gradients at `grad_bytes`).
-    `speculate`: the update runs beside the backward (stream.speculate=on, no step undone):
-    its time and bytes move from the forward to the backward, and the next forward still
-    waits for layer 0's update, which starts when its gradient arrives.
+    `speculate`: the share of the update that runs beside the backward (stream.speculate=on
+    with stream.speculate_share, no step undone; True: all of it): that share's time and
+    bytes move from the forward to the backward, and the next forward still waits for one
+    part's update after the backward.
 
     `resident_layers` kept in GPU memory neither travel nor load the host: the link, the
     host optimizer and the host memory carry the other parameters only. (Their own update
@@ -92,15 +93,15 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     optimizer = p / (rates.optimizer_gparams * 1e9)
     if update_bytes is None:
         update_bytes = HOST_UPDATE_BYTES - (4 - grad_bytes)
-    speculate = speculate and rates.overlapped_update
-    host = _host_memory_seconds(p, rates, bytes_per_param, grad_bytes, update_bytes, speculate)
+    share = float(speculate) if rates.overlapped_update else 0.0
+    host = _host_memory_seconds(p, rates, bytes_per_param, grad_bytes, update_bytes, share)
     ideal = max(forward + head + backward, 2 * weight_pass, gradients, optimizer,
                 host["forward"] + host["backward"])
     backward_step = max(backward, weight_pass, gradients, host["backward"])
-    if speculate:
+    if share:
         last_layer = model.params_per_layer / (rates.optimizer_gparams * 1e9)
-        step = (max(forward, weight_pass, host["forward"]) + head
-                + max(backward_step, optimizer) + last_layer)
+        step = (max(forward, weight_pass, (1 - share) * optimizer, host["forward"]) + head
+                + max(backward_step, share * optimizer) + last_layer)
     elif rates.overlapped_update:
         step = max(forward, weight_pass, optimizer, host["forward"]) + head + backward_step
     else:
@@ -125,7 +126,23 @@ def bound_for(cfg, rates: Rates) -> dict:
     and speculation where it is always on."""
     return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
                  grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
-                 speculate=cfg.stream.speculate == "on")
+                 speculate=cfg.stream.speculate_share if cfg.stream.speculate == "on" else 0)
+
+
+def best_speculate_share(cfg, rates: Rates) -> tuple[float, float]:
+    """(share, bound seconds): the smallest stream.speculate_share, in steps of 0.05, whose
+    bound (speculate=on, no step undone) is the shortest; 0 where guessing does not pay.
+    The bound is flat from where the backward's host memory is full to where the forward's
+    is no longer the limit: the smallest share guesses least, so undoes least."""
+    def step(share):
+        stream = dataclasses.replace(cfg.stream, speculate="on" if share else "off",
+                                     speculate_share=share or 1.0)
+        return bound_for(dataclasses.replace(cfg, stream=stream), rates)["step_s"]
+
+    bounds = [(k / 20, step(k / 20)) for k in range(21)]
+    shortest = min(seconds for _, seconds in bounds)
+    return next((share, seconds) for share, seconds in bounds
+                if seconds <= shortest * (1 + 1e-9))
 
 
 def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
@@ -160,20 +177,17 @@ def update_bytes(cfg) -> float:
 
 
 def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int, grad_bytes: float,
-                         update_bytes: float, speculate: bool) -> dict:
-    """Seconds of host DRAM traffic in the forward (the overlapped update and the weight pass)
-    and in the backward (the weight pass and the gradients; the update too, speculated); 0
-    where the bandwidth is unknown. A device update is bound by the link, not by host memory,
-    so it adds nothing here."""
+                         update_bytes: float, share: float) -> dict:
+    """Seconds of host DRAM traffic in the forward (the weight pass and the overlapped
+    update but its speculated `share`) and in the backward (the weight pass, the gradients
+    and that share); 0 where the bandwidth is unknown. A device update is bound by the link,
+    not by host memory, so it adds nothing here."""
     if rates.host_memory_gbps <= 0:
         return {"forward": 0.0, "backward": 0.0}
     update = update_bytes if rates.overlapped_update else 0
     per_byte = params / (rates.host_memory_gbps * 1e9)
-    if speculate:
-        return {"forward": bytes_per_param * per_byte,
-                "backward": (bytes_per_param + grad_bytes + update) * per_byte}
-    return {"forward": (update + bytes_per_param) * per_byte,
-            "backward": (bytes_per_param + grad_bytes) * per_byte}
+    return {"forward": (bytes_per_param + (1 - share) * update) * per_byte,
+            "backward": (bytes_per_param + grad_bytes + share * update) * per_byte}
 
 
 def _limit(forward, backward, weight_pass, gradients, optimizer, host_memory) -> str:

@@ -61,7 +61,8 @@ class StreamTrainer:
             clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
             saved_inputs=saved_inputs(cfg, mesh), micro_batches=cfg.data.micro_batches,
             learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
-            speculate=cfg.stream.speculate, mesh=mesh,
+            speculate=cfg.stream.speculate, speculate_share=cfg.stream.speculate_share,
+            mesh=mesh,
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go

@@ -132,7 +132,7 @@ def test_a_share_guesses_the_first_parts_of_the_backward_only():
     """stream.speculate_share=0.5: the head and the last layers, up to half the host
     parameters, are updated during the backward; the rest after it. Exact all the same."""
     cfg = _cfg("stream.speculate=on", "stream.speculate_share=0.5")
-    ref_state, ref_losses, state, losses, norms, records = _train_both(cfg, 8)
+    ref_state, ref_losses, state, losses, norms, records = _train_both(cfg, 4)
     engine = StreamTrainer(cfg).engine
     sizes = [sum(leaf.size for leaf in jax.tree.leaves(part)) for part in
              [state.params["embed"], *state.params["layers"], state.params["head"]]]
@@ -152,7 +152,7 @@ def test_guesses_in_bfloat16_match_the_reference():
     errors = {}
     for mode in ("off", "on"):
         cfg = _cfg(f"stream.speculate={mode}", "model.compute_dtype=bfloat16", "optim.lr=1e-3")
-        ref_state, ref_losses, state, losses, _, records = _train_both(cfg, 8)
+        ref_state, ref_losses, state, losses, _, records = _train_both(cfg, 5)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
         errors[mode] = max_rel_error(state.params, ref_state.params)
         assert errors[mode] <= 5e-2

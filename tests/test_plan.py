@@ -132,7 +132,17 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
     assert "compute-bound from about 54,4" in out
 
 
-def test_plan_measure_on_this_machine(capsys):
+@pytest.fixture
+def small_samples(monkeypatch):
+    """The rate measurement on smaller samples than a real machine's (the same code)."""
+    from megatrain_jax.optim import host_adamw
+
+    monkeypatch.setattr(plan, "OPTIMIZER_SAMPLE", 8 * 2**20)
+    sized = host_adamw.memory_gbps
+    monkeypatch.setattr(host_adamw, "memory_gbps", lambda: sized(mfloats=32))
+
+
+def test_plan_measure_on_this_machine(capsys, small_samples):
     assert main(["plan", "tiny", "--measure"]) == 0
     out = capsys.readouterr().out
     assert "rates: H2D" in out and "compute-bound from about" in out
@@ -277,7 +287,7 @@ def test_a_speculated_share_splits_the_update_between_the_passes():
                                             rates)["step_s"] for m in ("on", "off"))
 
 
-def test_measured_host_memory_is_at_least_what_the_update_moved():
+def test_measured_host_memory_is_at_least_what_the_update_moved(small_samples):
     from megatrain_jax.tools.roofline import measure_rates
 
     rates = measure_rates(load_config("tiny"))

@@ -120,7 +120,7 @@ PRESETS: dict[str, list[Run]] = {
     # Checkpoints leave host memory flat: a 1,000-step 1b soak saved every 250 steps
     # (metrics.jsonl holds the memory of every 10th step), and 3b saved every 3 steps (int8
     # moments: two 3b checkpoints in fp32 moments, 75 GB, overflow the lent machine's 64 GB
-    # disk). About 9 minutes in all.
+    # disk). Two device calls: --only 'soak_1b*' (8 minutes on a slow host), --only ckpt_3b.
     "reliability": [cli("soak_1b", "train 1b data.batch_size=4 loop.steps=1000 "
                         "loop.checkpoint_every=250 loop.keep_checkpoints=1 loop.log_every=10 "
                         "loop.progress=plain loop.run_dir={out}/run_soak", timeout=480),

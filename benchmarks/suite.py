@@ -123,7 +123,7 @@ PRESETS: dict[str, list[Run]] = {
     # disk). Two device calls: --only 'soak_1b*' (8 minutes on a slow host), --only ckpt_3b.
     "reliability": [cli("soak_1b", "train 1b data.batch_size=4 loop.steps=1000 "
                         "loop.checkpoint_every=250 loop.keep_checkpoints=1 loop.log_every=10 "
-                        "loop.progress=plain loop.run_dir={out}/run_soak", timeout=480),
+                        "loop.progress=plain loop.run_dir={out}/run_soak", timeout=575),
                     cli("soak_1b_report", "report {out}/run_soak", timeout=60),
                     cli("ckpt_3b", "train 3b optim.state_dtype=int8 loop.steps=9 "
                         "loop.checkpoint_every=3 loop.keep_checkpoints=1 loop.log_every=1 "

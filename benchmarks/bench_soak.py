@@ -14,7 +14,6 @@ sites that grew most between the first record and the last (it slows the steps).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import sys
@@ -44,13 +43,10 @@ def slope(points: list[tuple[int, float]]) -> float:
 
 def trimmed_rss() -> int | None:
     """RSS after glibc's malloc_trim(0) (None where there is no glibc)."""
+    from megatrain_jax.stream.updates import release_free_heap
     from megatrain_jax.tools.machine import host_rss_now_bytes
 
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        return None
-    return host_rss_now_bytes()
+    return host_rss_now_bytes() if release_free_heap() else None
 
 
 def main() -> None:

@@ -11,6 +11,11 @@ from iteration 100 on, in bytes per array per iteration:
     pointer        block_until_ready and unsafe_buffer_pointer (the host kernel's way in)
     shard_data     each shard's data and pointer
     h2d_then_ptr   h2d_persist, then pointer on the host buffers
+    h2d_then_shard h2d_persist, then pointer on each host buffer's shard data
+    h2d_then_block h2d_persist, then block_until_ready on the host buffers
+    h2d_then_only_ptr  h2d_persist, then unsafe_buffer_pointer alone on the host buffers
+
+    python benchmarks/probe_pinned_reuse.py h2d_persist h2d_then_shard   # some patterns only
 """
 
 import sys
@@ -25,11 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatrain_jax.tools.machine import host_rss_now_bytes  # noqa: E402
 
 ARRAYS, SIZE, ITERATIONS, SKIP = 64, 1 << 18, 1500, 100
-MODES = ("h2d_persist", "d2h_fresh", "h2d_fresh", "pointer", "shard_data", "h2d_then_ptr")
+MODES = ("h2d_persist", "d2h_fresh", "h2d_fresh", "pointer", "shard_data", "h2d_then_ptr",
+         "h2d_then_shard", "h2d_then_block", "h2d_then_only_ptr")
 
 
 def iterate(mode: str, xs: list, ys: list, host, gpu) -> list:
-    if mode in ("h2d_persist", "h2d_then_ptr"):
+    if mode.startswith("h2d_then") or mode == "h2d_persist":
         jax.block_until_ready([jax.device_put(x, gpu) for x in xs])
     if mode == "d2h_fresh":
         jax.block_until_ready([jax.device_put(y, host) for y in ys])
@@ -40,7 +46,13 @@ def iterate(mode: str, xs: list, ys: list, host, gpu) -> list:
         for x in xs:
             x.block_until_ready()
             x.unsafe_buffer_pointer()
-    if mode == "shard_data":
+    if mode == "h2d_then_block":
+        for x in xs:
+            x.block_until_ready()
+    if mode == "h2d_then_only_ptr":
+        for x in xs:
+            x.unsafe_buffer_pointer()
+    if mode in ("shard_data", "h2d_then_shard"):
         for x in xs:
             [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
     return xs
@@ -51,7 +63,11 @@ def main() -> None:
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     gpu = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
     print(f"{'pattern':14} {'B/array/iter':>13} {'s':>6}")
-    for mode in MODES:
+    chosen = sys.argv[1:] or MODES
+    unknown = sorted(set(chosen) - set(MODES))
+    if unknown:
+        sys.exit(f"unknown patterns {unknown}: choose from {', '.join(MODES)}")
+    for mode in chosen:
         xs = [jax.device_put(np.ones(SIZE, np.float32), host) for _ in range(ARRAYS)]
         ys = jax.block_until_ready([jax.device_put(x, gpu) for x in xs])
         start = time.perf_counter()

@@ -269,6 +269,45 @@ def test_device_residency_is_bounded(depth):
     assert deep == shallow  # does not grow with the number of layers
 
 
+class Events(Tracer):
+    """Records the forward's fetches ("h2d", part) and its waits for layer outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.log, self.phase = [], None
+
+    def visit(self, phase, index):
+        self.phase = phase
+
+    def issued(self, lane, name, tree):
+        if lane == "h2d" and self.phase in (None, "forward"):
+            self.log.append(name)
+        return tree
+
+    def waited(self, what, start):
+        super().waited(what, start)
+        if what == "compute":
+            self.log.append("computed")
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_forward_nothing_paces_stays_within_depth_of_the_gpu(depth):
+    """In a first step (and after a checkpoint, or over guessed parts) no update paces the
+    forward: it still waits for layer i's output before fetching layer i + 2 * depth, so the
+    weights of at most 2 * depth layers wait on the GPU for their compute."""
+    cfg = tiny("model.layers=8", f"stream.prefetch_depth={depth}")
+    trainer = StreamTrainer(cfg)
+    state = trainer.init(jax.random.key(0))
+    events = Events()
+    state, metrics = trainer.train_step(state, TokenSource(cfg).batch_at(0), tracer=events)
+    float(metrics["loss"])
+    for j in range(cfg.model.layers):
+        before = events.log[:events.log.index(f"layer {j}")]
+        assert before.count("computed") >= j - 2 * depth, (j, events.log)
+    assert events.log.count("computed") == cfg.model.layers - depth
+    assert "time_wait_compute_s" in metrics
+
+
 def test_host_update_overlaps_the_next_forward():
     """The next step's forward starts while the host still updates the last layers."""
     cfg = tiny("model.layers=6", "stream.update=host", "stream.prefetch_depth=1")

@@ -57,12 +57,14 @@ class Schedule:
         embed = fetch(0)
         xs = tracer.issued("compute", "embed", run.embed_forward(embed, batch))
         saved, offloads = [], _InFlight(depth, tracer)
+        computing = _InFlight(depth, tracer, "compute")  # the weights fetched ahead of it
         stream = _prefetched(range(1, layers + 2), fetch, depth, written)
         for i, w in zip(range(layers), stream):
             tracer.visit("forward", i)
             saved.append(offloads.add(tracer.issued("d2h", f"input {i}", place.to_host(xs)))
                          if place.input_on_host(i) else xs)
-            xs = tracer.issued("compute", f"forward {i}", run.layer_forward(w, xs, batch))
+            xs = computing.add(tracer.issued("compute", f"forward {i}",
+                                             run.layer_forward(w, xs, batch)))
             del w
         loss, dxs, dhead, dembed_head, sq = run.head(next(stream), embed, xs, batch, denom)
         tracer.issued("compute", "head", dxs)
@@ -131,21 +133,23 @@ def _prefetched(items: Iterable, fetch: Callable, depth: int,
 
 
 class _InFlight:
-    """Bounds device -> host copies in flight: a device buffer lives until its copy is done.
+    """Bounds work in flight: waits on the item added `limit` items earlier.
 
-    Without a bound, the copies of a whole pass can queue behind each other while their
-    device buffers pile up; waiting on the copy issued `limit` items earlier keeps GPU memory
-    flat and, while the link keeps pace, costs nothing (the GPU still has queued work).
+    For device -> host copies (a device buffer lives until its copy is done) and for the
+    forward's layer outputs (each fetched layer's weights live on the device until the compute
+    that reads them is done). Without a bound, a loop that nothing else paces dispatches a
+    whole pass ahead of the GPU and the buffers of every part pile up; waiting `limit` items
+    back keeps GPU memory flat and costs nothing (the GPU still has `limit` items queued).
     """
 
-    def __init__(self, limit: int, tracer: Tracer):
-        self.limit, self.tracer = limit, tracer
+    def __init__(self, limit: int, tracer: Tracer, what: str = "d2h"):
+        self.limit, self.tracer, self.what = limit, tracer, what
         self.pending = collections.deque()
 
-    def add(self, host_tree):
-        self.pending.append(host_tree)
+    def add(self, tree):
+        self.pending.append(tree)
         if len(self.pending) > self.limit:
             start = time.perf_counter()
             jax.block_until_ready(self.pending.popleft())
-            self.tracer.waited("d2h", start)
-        return host_tree
+            self.tracer.waited(self.what, start)
+        return tree

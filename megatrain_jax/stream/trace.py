@@ -55,7 +55,7 @@ class Tracer:
         """Work timed where it ran (perf_counter seconds), e.g. a host update."""
 
     def waited(self, what: str, start: float) -> None:
-        """The main thread waited for `what` (update, d2h, checkpoint) since `start`."""
+        """The main thread waited for `what` (update, d2h, compute, checkpoint) since `start`."""
         end = time.perf_counter()
         self.waits[what] = self.waits.get(what, 0.0) + end - start
         if end - start > 1e-4:

@@ -58,7 +58,8 @@ def summarize(metrics: list[dict], timeline: dict | None) -> list[str]:
     if timed:
         split = {k[5:]: statistics.median(r.get(k, 0.0) for r in timed)
                  for k in ("time_forward_backward_s", "time_update_s", "time_wait_update_s",
-                           "time_wait_d2h_s", "time_wait_checkpoint_s") if k in timed[-1]}
+                           "time_wait_d2h_s", "time_wait_compute_s", "time_wait_checkpoint_s")
+                 if k in timed[-1]}
         lines.append("step split (median s): " + ", ".join(f"{k} {v:.3f}"
                                                           for k, v in split.items()))
     guessed = [r for r in metrics if r.get("speculated_parts")]

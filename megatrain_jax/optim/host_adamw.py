@@ -61,13 +61,7 @@ def writable(array: jax.Array) -> np.ndarray:
 def shard_views(array: jax.Array) -> list[np.ndarray]:
     """`writable` views of this process's shards of a host array, in its devices' order (one
     view for an array on one device). A leaf split over a mesh has one shard per device; a
-    leaf kept whole on every device has a copy per device, each updated alike.
-
-    An array on one device is taken whole: its pointer is what lets XLA's GPU client drop
-    the records it keeps of the array's finished host-to-device copies (about 1.5 KB each,
-    kept while the buffer lives when untouched; benchmarks/probe_pinned_reuse.py)."""
-    if len(array.sharding.device_set) == 1:
-        return [writable(array)]
+    leaf kept whole on every device has a copy per device, each updated alike."""
     return [writable(shard.data) for shard in array.addressable_shards]
 
 

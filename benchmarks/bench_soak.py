@@ -1,6 +1,7 @@
 """Host memory over many steps: does the process grow, and with what?
 
-    python benchmarks/bench_soak.py 1b --steps 1500 --every 100 [--tracemalloc] [key=value ...]
+    python benchmarks/bench_soak.py 1b --steps 1500 --every 100 [--tracemalloc] \
+        [--renew-every N] [key=value ...]
 
 Trains `--steps` steps of the config in this process, each synced on its loss, and records
 every `--every` steps the host RSS now (by kind: heap, mapped files), the GPU bytes in use
@@ -9,6 +10,8 @@ and Python's live object count. The JSON gives the growth per step after the fir
 returned its free memory to the system (`malloc_trim`): growth that this gives back is
 freed memory the allocator kept, not a leak. `--tracemalloc` adds the Python allocation
 sites that grew most between the first record and the last (it slows the steps).
+`--renew-every N` moves the host weights to new buffers every N steps instead of the engine's
+RENEW_EVERY (0: never), to see the growth the renewal bounds.
 """
 
 from __future__ import annotations
@@ -56,8 +59,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--tracemalloc", action="store_true")
+    parser.add_argument("--renew-every", type=int, default=None)
     parser.add_argument("--out", type=Path)
     args = parser.parse_intermixed_args()
+    if args.renew_every is not None and args.renew_every < 0:
+        parser.error(f"--renew-every {args.renew_every}: give a number of steps, or 0 for never")
 
     cfg = load_config(args.config, args.overrides)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -67,9 +73,12 @@ def main() -> None:
     import numpy as np
 
     from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.stream import engine
     from megatrain_jax.tools.machine import host_rss_parts_bytes, memory_record
     from megatrain_jax.train import make_trainer
 
+    if args.renew_every is not None:
+        engine.RENEW_EVERY = args.renew_every or sys.maxsize
     trainer, data = make_trainer(cfg), TokenSource(cfg)
     state = trainer.init(jax.random.key(cfg.loop.seed))
     records, first_snapshot, start = [], None, time.perf_counter()
@@ -89,7 +98,7 @@ def main() -> None:
             first_snapshot = tracemalloc.take_snapshot()
     state.wait()
     result = {"config": args.config, "overrides": args.overrides, "steps": args.steps,
-              "records": records}
+              "renew_every": engine.RENEW_EVERY, "records": records}
     kept = records[1:]  # the first record holds compilation and the first steps' growth
     for key in ("host_rss_now_bytes", "rss_anon_bytes", "rss_file_bytes", "device_bytes_now",
                 "objects"):

@@ -14,6 +14,9 @@ from iteration 100 on, in bytes per array per iteration:
     h2d_then_shard h2d_persist, then pointer on each host buffer's shard data
     h2d_then_block h2d_persist, then block_until_ready on the host buffers
     h2d_then_only_ptr  h2d_persist, then unsafe_buffer_pointer alone on the host buffers
+    h2d_tree       the same host buffers copied as one tree per call (as the engine fetches a part)
+    h2d_compute    the same host buffers copied and read by a program; only its output is waited on
+    engine_like    two tree copies read by a program, then each shard's pointer (the engine's step)
 
     python benchmarks/probe_pinned_reuse.py h2d_persist h2d_then_shard   # some patterns only
 """
@@ -31,7 +34,13 @@ from megatrain_jax.tools.machine import host_rss_now_bytes  # noqa: E402
 
 ARRAYS, SIZE, ITERATIONS, SKIP = 64, 1 << 18, 1500, 100
 MODES = ("h2d_persist", "d2h_fresh", "h2d_fresh", "pointer", "shard_data", "h2d_then_ptr",
-         "h2d_then_shard", "h2d_then_block", "h2d_then_only_ptr")
+         "h2d_then_shard", "h2d_then_block", "h2d_then_only_ptr", "h2d_tree", "h2d_compute",
+         "engine_like")
+
+
+@jax.jit
+def _read(arrays):
+    return sum(a[0] for a in arrays)
 
 
 def iterate(mode: str, xs: list, ys: list, host, gpu) -> list:
@@ -52,6 +61,18 @@ def iterate(mode: str, xs: list, ys: list, host, gpu) -> list:
     if mode == "h2d_then_only_ptr":
         for x in xs:
             x.unsafe_buffer_pointer()
+    if mode == "h2d_tree":
+        jax.block_until_ready(jax.device_put(xs, [gpu] * len(xs)))
+    if mode == "h2d_compute":
+        _read([jax.device_put(x, gpu) for x in xs]).block_until_ready()
+    if mode == "engine_like":
+        for _ in range(2):  # the forward's fetch and the backward's
+            _read(jax.device_put(xs, [gpu] * len(xs))).block_until_ready()
+    if mode == "engine_like":  # the host update's view of each shard (host_adamw.writable)
+        for x in xs:
+            for shard in x.addressable_shards:
+                shard.data.block_until_ready()
+                shard.data.unsafe_buffer_pointer()
     if mode in ("shard_data", "h2d_then_shard"):
         for x in xs:
             [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]

@@ -270,7 +270,7 @@ def test_device_residency_is_bounded(depth):
 
 
 class Events(Tracer):
-    """Records the forward's fetches ("h2d", part) and its waits for layer outputs."""
+    """Records the forward's fetches (by part name) and its waits for layer outputs."""
 
     def __init__(self):
         super().__init__()
@@ -293,8 +293,9 @@ class Events(Tracer):
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_forward_nothing_paces_stays_within_depth_of_the_gpu(depth):
     """In a first step (and after a checkpoint, or over guessed parts) no update paces the
-    forward: it still waits for layer i's output before fetching layer i + 2 * depth, so the
-    weights of at most 2 * depth layers wait on the GPU for their compute."""
+    forward: before fetching layer j it has still waited for the outputs of the layers below
+    j - 2 * depth, so at most 2 * depth + 1 layers' weights are on the GPU ahead of their
+    compute, whatever the depth of the model."""
     cfg = tiny("model.layers=8", f"stream.prefetch_depth={depth}")
     trainer = StreamTrainer(cfg)
     state = trainer.init(jax.random.key(0))

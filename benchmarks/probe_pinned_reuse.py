@@ -68,8 +68,7 @@ def iterate(mode: str, xs: list, ys: list, host, gpu) -> list:
     if mode == "engine_like":
         for _ in range(2):  # the forward's fetch and the backward's
             _read(jax.device_put(xs, [gpu] * len(xs))).block_until_ready()
-    if mode == "engine_like":  # the host update's view of each shard (host_adamw.writable)
-        for x in xs:
+        for x in xs:  # the host update's view of each shard (host_adamw.writable)
             for shard in x.addressable_shards:
                 shard.data.block_until_ready()
                 shard.data.unsafe_buffer_pointer()

@@ -16,17 +16,14 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
+def _device_stats() -> dict:
+    """Device 0's allocator statistics, where the backend reports them (GPUs; not the CPU)."""
+    return jax.local_devices()[0].memory_stats() or {}
+
+
 def peak_device_bytes() -> int | None:
-    """Peak bytes in use on device 0, where the backend reports it (GPUs; not the CPU)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
-
-
-def device_bytes_now() -> int | None:
-    """Bytes in use on device 0 now, where the backend reports it: shows growth that the
-    peak, set early, would hide."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("bytes_in_use")
+    """Peak bytes in use on device 0, where the backend reports it."""
+    return _device_stats().get("peak_bytes_in_use")
 
 
 def host_rss_bytes() -> int:
@@ -63,6 +60,9 @@ def host_rss_parts_bytes() -> dict[str, int]:
 
 
 def memory_record() -> dict:
-    """The process's memory for a metrics record: GPU peak and now, host RSS peak and now."""
-    return {"peak_device_bytes": peak_device_bytes(), "device_bytes_now": device_bytes_now(),
+    """The process's memory for a metrics record: GPU peak and now (the bytes in use now show
+    growth that the peak, set early, would hide), host RSS peak and now."""
+    stats = _device_stats()
+    return {"peak_device_bytes": stats.get("peak_bytes_in_use"),
+            "device_bytes_now": stats.get("bytes_in_use"),
             "host_rss_bytes": host_rss_bytes(), "host_rss_now_bytes": host_rss_now_bytes()}

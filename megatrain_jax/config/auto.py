@@ -28,6 +28,13 @@ ATTENTION_CHUNK = 1024
 # step at 32k tokens, less at longer ones where attention dominates).
 MLP_TILE_FROM = 131072
 MLP_TILE = 8192
+# The attention paths whose output and statistics a layer can keep for its backward, which
+# then does not attend again (model/replay.py); XLA's backward needs its [S, S] probabilities.
+KEEPS_ATTENTION = ("cudnn", "blockwise")
+# `stream.keep_attention=auto` keeps it for rows of at least this many tokens. Below, the
+# attention is a small part of a layer's recompute (at 7b's width, its forward is about 2
+# of a token's 47 GFLOP at 1024 tokens, 8 at 8192) and the GPU memory is better left free.
+KEEP_ATTENTION_FROM = 8192
 # Rotary angles are exact for positions of magnitude below 2**24 (model/ops.py says why).
 MAX_POSITION = 2**24
 

@@ -1,10 +1,12 @@
 """GPU memory of a streamed step, without JAX: the weights and gradients in flight, the saved
-layer inputs, one layer's working set, and how the inputs split between GPU and host when
-GPU memory runs short (`stream.saved_inputs=auto`).
+layer inputs, one layer's working set, how the inputs split between GPU and host when GPU
+memory runs short (`stream.saved_inputs=auto`), and how many layers keep their attention's
+output for the backward in the room left (`stream.keep_attention=auto`).
 
     acts = activations(cfg)                 # choices and bytes at cfg's batch and sequence
     device, host_saved = step_bytes(cfg, devices=1, gpu=141 * GiB)
     host_layers = saved_on_host(cfg, gpu, devices=1)   # what the trainer places for auto
+    keeping = keep_attention_layers(cfg, gpu, devices=1)  # the last layers that keep it
     lines = describe(cfg, room)             # what `megatrain-jax plan` prints
 
 Here, below the trainers, so that the trainer resolves `auto` by the same arithmetic as the
@@ -44,7 +46,38 @@ def step_bytes(cfg: Config, devices: int, gpu: int | None) -> tuple[dict, int]:
     `stream.saved_inputs=auto` splits the inputs by (None: unknown, all on the GPU)."""
     local, device, room = _without_inputs(cfg, devices, gpu)
     device["saved_inputs"], on_host = saved_bytes(local, room)
+    left = None if room is None else room - device["saved_inputs"]
+    device["kept_attention"] = _keeping(local, devices, left) * kept_per_layer(local)
     return device, on_host * devices  # every GPU's share, in the one host
+
+
+def keep_attention_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
+    """How many layers, the last ones, keep their attention's output and statistics for the
+    backward under `stream.keep_attention`: `on` every layer, `off` none, `auto` as many as
+    the GPU room left after the saved inputs holds (none where that room is unknown, for
+    rows shorter than auto.KEEP_ATTENTION_FROM, where the attention cannot keep them, or over
+    several GPUs)."""
+    local, device, room = _without_inputs(cfg, devices, gpu)
+    if room is not None:
+        room -= saved_bytes(local, room)[0]
+    return _keeping(local, devices, room)
+
+
+def _keeping(local: Config, devices: int, room: int | None) -> int:
+    s, layers = local.stream.keep_attention, local.model.layers
+    if s != "auto":
+        return layers if s == "on" else 0
+    if (room is None or devices > 1 or local.data.seq_len < auto.KEEP_ATTENTION_FROM
+            or activations(local)["attention"] not in auto.KEEPS_ATTENTION):
+        return 0
+    return max(0, min(layers, room // kept_per_layer(local)))
+
+
+def kept_per_layer(cfg: Config) -> int:
+    """Bytes a layer keeps for its backward with `stream.keep_attention`: the whole batch's
+    attention output [B, S, H, E] in the compute dtype and an fp32 statistic a row and head."""
+    m = cfg.model
+    return cfg.data.tokens_per_step * m.heads * (m.dh * act_bytes(cfg) + 4)
 
 
 def saved_on_host(cfg: Config, gpu: int | None, devices: int = 1) -> int:
@@ -195,6 +228,15 @@ def describe(cfg: Config, gpu: int | None, devices: int = 1) -> list[str]:
         lines.append(f"  split by GPU room     {on_gpu} layers' inputs on the GPU "
                      f"({on_gpu * per / GiB:.2f} GiB), {on_host} on pinned host "
                      f"({on_host * per / GiB:.2f} GiB){now}")
+    kept, keep = kept_per_layer(cfg), cfg.stream.keep_attention
+    line = f"  kept attention        {kept / GiB:.2f} GiB per layer (stream.keep_attention={keep})"
+    if keep == "auto" and gpu is None:
+        line += ": as many layers as the GPU's room holds, found at the start"
+    else:
+        n = keep_attention_layers(cfg, gpu, devices)
+        line += (f": the last {n} layers keep it ({n * kept / GiB:.2f} GiB), their backward "
+                 f"does not attend again" if n else ": none")
+    lines.append(line)
     lines.append("  per-layer working set (one micro-batch, the layer's backward; the MLP's "
                  "activations and the attention's gradients are not held at once):")
     for name, n in acts["working_set"].items():

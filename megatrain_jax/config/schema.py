@@ -151,6 +151,11 @@ class StreamConfig:
     grad_dtype: str = "float32"
     mlp_tile: int = 0  # tokens per MLP tile, recomputed in the backward; 0: auto (config/auto.py)
     attention_chunk: int = 0  # tokens per blockwise attention chunk; 0: auto
+    # The last layers' forward keeps its attention's output and softmax statistics on the GPU,
+    # and their backward takes them instead of attending again: on (every layer), off, or
+    # auto (rows of 8192 tokens or more: as many layers as the GPU's room holds after the
+    # saved inputs, with the cuDNN or blockwise attention, on one GPU).
+    keep_attention: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "stream.update": ("auto", "host", "device"),
     "stream.speculate": ("off", "auto", "on"),
     "stream.grad_dtype": ("float32", "bfloat16"),
+    "stream.keep_attention": ("auto", "on", "off"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),
     "loop.tensorboard": ("auto", "on", "off"),

@@ -24,6 +24,32 @@ import jax.numpy as jnp
 def attention(q, k, v, segment_ids, chunk: int):
     """Causal attention of q [B, S, H, E] over k, v [B, S, K, E]; with segment_ids [B, S],
     a token attends only within its segment (packed sequences)."""
+    q5, k, v, segments, chunk = _padded(q, k, v, segment_ids, chunk)
+    return _unpadded(_attention(q5, k, v, segments, chunk), q.shape)
+
+
+def attention_and_stats(q, k, v, segment_ids, chunk: int):
+    """attention(...) and its rows' log-sum-exp [n, B, K, G, c] (over the padded rows): what
+    `backward` needs besides the inputs, so that it runs without the forward."""
+    q5, k, v, segments, chunk = _padded(q, k, v, segment_ids, chunk)
+    out, lse = _forward(q5, k, v, segments, chunk)
+    return _unpadded(out, q.shape), lse
+
+
+def backward(q, k, v, segment_ids, chunk: int, out, lse, dout):
+    """(dq, dk, dv) of attention(q, k, v, segment_ids, chunk) for its output's gradient
+    `dout`, from the output and log-sum-exp that attention_and_stats returned. The padded
+    rows' output and gradient are zeros: those rows see only padding, so they add nothing."""
+    q5, k5, v5, segments, chunk = _padded(q, k, v, segment_ids, chunk)
+    out5, dout5 = (_padded(t, k, v, None, chunk)[0] for t in (out, dout))
+    dq, dk, dv, _ = _attention_bwd(chunk, (q5, k5, v5, segments, out5, lse), dout5)
+    s = q.shape[1]
+    return _unpadded(dq, q.shape), dk[:, :s], dv[:, :s]
+
+
+def _padded(q, k, v, segment_ids, chunk: int):
+    """q as [B, S', K, G, E], k and v [B, S', K, E], segments [B, S'] (int32) and the chunk,
+    S' the sequence padded to a multiple of the chunk."""
     b, s, h, e = q.shape
     kv = k.shape[2]
     chunk = min(chunk, s)
@@ -33,9 +59,13 @@ def attention(q, k, v, segment_ids, chunk: int):
     if pad:  # padded keys come after every real query: the causal mask hides them
         q, k, v = (jnp.pad(t, ((0, 0), (0, pad), (0, 0), (0, 0))) for t in (q, k, v))
         segments = jnp.pad(segments, ((0, 0), (0, pad)), constant_values=-1)
-    q = q.reshape(b, s + pad, kv, h // kv, e)
-    out = _attention(q, k, v, segments, chunk)
-    return out.reshape(b, s + pad, h, e)[:, :s]
+    return q.reshape(b, s + pad, kv, h // kv, e), k, v, segments, chunk
+
+
+def _unpadded(t, shape):
+    """[B, S', K, G, E] -> [B, S, H, E] of `shape`."""
+    b, s, h, e = shape
+    return t.reshape(b, -1, h, e)[:, :s]
 
 
 def _slice(t, i, chunk: int):

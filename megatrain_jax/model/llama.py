@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from megatrain_jax.config import ModelConfig, auto
-from megatrain_jax.model import ops
+from megatrain_jax.model import ops, replay
 
 
 def _pytree(cls):
@@ -159,6 +159,45 @@ def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None,
     the automatic rule of config/auto.py for these B*S tokens. Neither changes the result
     beyond fp32 rounding.
     """
+    def attend(q, k, v, impl, chunk):
+        return ops.attention(q, k, v, impl, segment_ids, chunk), None
+
+    return _layer(p, x, cfg, positions, segment_ids, mlp_tile, attention_chunk, attend)[0]
+
+
+def layer_keeping_attention(p: LayerParams, x, cfg: ModelConfig, positions=None,
+                            segment_ids=None, *, mlp_tile: int = 0, attention_chunk: int = 0):
+    """(layer(...), what its attention keeps for `layer_replaying_attention`): the forward
+    of a layer whose backward will not attend again (model/replay.py). Where the attention
+    cannot keep it (XLA's; cuDNN's with segment ids), it keeps None and the backward attends."""
+    def attend(q, k, v, impl, chunk):
+        if replay.keeps(impl, packed=segment_ids is not None):
+            return replay.keep(q, k, v, impl, segment_ids, chunk)
+        return ops.attention(q, k, v, impl, segment_ids, chunk), None
+
+    return _layer(p, x, cfg, positions, segment_ids, mlp_tile, attention_chunk, attend)
+
+
+def layer_replaying_attention(p: LayerParams, x, kept, cfg: ModelConfig, positions=None,
+                              segment_ids=None, *, mlp_tile: int = 0,
+                              attention_chunk: int = 0):
+    """layer(...) with the attention's output taken from `kept` and its gradient from the
+    attention's backward on it: the same value and gradients, without the attention's
+    forward. `kept` None: layer(...)."""
+    def attend(q, k, v, impl, chunk):
+        if kept is None:
+            return ops.attention(q, k, v, impl, segment_ids, chunk), None
+        return replay.replayed(q, k, v, kept, impl, segment_ids, chunk), None
+
+    return _layer(p, x, cfg, positions, segment_ids, mlp_tile, attention_chunk, attend)[0]
+
+
+def attention_path(cfg: ModelConfig, seq_len: int, packed: bool = False) -> str:
+    """The attention the layer runs at `seq_len` (config/auto.py's rule, on this backend)."""
+    return ops.pick_attention(cfg.attention, cfg.compute_dtype, seq_len, packed)
+
+
+def _layer(p, x, cfg, positions, segment_ids, mlp_tile, attention_chunk, attend):
     dtype = jnp.dtype(cfg.compute_dtype)
     w = _cast(p, dtype)  # the MLP's weights are cast in residual_mlp; these casts go unused
     b, s, _ = x.shape
@@ -180,12 +219,13 @@ def layer(p: LayerParams, x, cfg: ModelConfig, positions=None, segment_ids=None,
         k = ops.rms_norm(k, w.k_norm, cfg.norm_eps)
     cos, sin = ops.rope_angles(positions, rope_frequencies(cfg))
     q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
-    impl = ops.pick_attention(cfg.attention, dtype, s, packed=segment_ids is not None)
-    attn = ops.attention(q, k, v, impl, segment_ids, attention_chunk)
+    impl = attention_path(cfg, s, packed=segment_ids is not None)
+    attn, kept = attend(q, k, v, impl, auto.attention_chunk(attention_chunk, s))
     x = x + jnp.einsum("bsn,nd->bsd", attn.reshape(b, s, cfg.heads * e), w.wo)
 
     tile = auto.mlp_tile(mlp_tile, b * s)
-    return ops.residual_mlp(x, p.mlp_norm, p.w_gate, p.w_up, p.w_down, cfg.norm_eps, dtype, tile)
+    x = ops.residual_mlp(x, p.mlp_norm, p.w_gate, p.w_up, p.w_down, cfg.norm_eps, dtype, tile)
+    return x, kept
 
 
 def rope_frequencies(cfg: ModelConfig):

@@ -88,13 +88,18 @@ class StreamEngine:
                  saved_inputs: str = "device", micro_batches: int = 1,
                  learning_rate: Callable | None = None, device: jax.Device | None = None,
                  resident_layers: int = 0, speculate: str = "off", speculate_share: float = 1.0,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, keep_attention: int = 0):
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, got {speculate!r}")
         if not 0 < speculate_share <= 1:
             raise ValueError(f"speculate_share must be within (0, 1], got {speculate_share}")
         self.speculate_share = speculate_share
         self.placement = Placement(resident_layers, device, saved_inputs, mesh)
+        if keep_attention and templates.layer_keeping is None:
+            raise ValueError("keep_attention needs templates with layer_keeping and "
+                             "layer_replaying; these have none: set keep_attention=0")
+        if keep_attention and self.placement.mesh is not None:
+            raise ValueError("keep_attention runs on one device; over a mesh set it to 0")
         if self.placement.mesh is not None:
             templates = shard_templates(templates, self.placement.mesh)
         self.templates = templates
@@ -108,7 +113,7 @@ class StreamEngine:
         self.micro_batches = micro_batches
         self.learning_rate = learning_rate
         self.programs = build_programs(templates, self.optimizer, clip_norm, self.placement)
-        self.schedule = Schedule(self.programs, self.placement, prefetch_depth)
+        self.schedule = Schedule(self.programs, self.placement, prefetch_depth, keep_attention)
 
     # ----- state ---------------------------------------------------------------------------
 

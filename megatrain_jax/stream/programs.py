@@ -36,6 +36,10 @@ class Templates:
     weight is then a cast of the cast's gradient). With one micro-batch those gradients travel
     to the host and rest there in it, half the bytes of fp32; several micro-batches sum in
     fp32 on the device, which is not exact in it, so they stay fp32. None: always fp32.
+    `layer_keeping(layer_params, x, batch) -> (x, kept)` and
+    `layer_replaying(layer_params, x, batch, kept) -> x`, optional: the layer whose forward
+    keeps what its backward's recompute then takes instead of computing it again (the
+    attention's output and statistics, model/replay.py); same value, same gradients.
     """
 
     embed: Callable
@@ -44,16 +48,19 @@ class Templates:
     tied: bool = False
     normalizer: Callable | None = None
     layer_grad_dtype: object = None
+    layer_keeping: Callable | None = None
+    layer_replaying: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
     embed_forward: Callable    # (embed, batch) -> xs
     layer_forward: Callable    # (layer, xs, batch) -> xs
+    layer_keeping: Callable    # (layer, xs, batch) -> xs, kept (for layer_backward)
     head: Callable             # (head, embed, xs, batch, denom) -> loss, dxs, dhead, dembed, sq
     head_eval: Callable        # (head, embed, xs, batch, denom) -> loss
-    layer_backward: Callable   # (layer, xs, dxs, batch, sq) -> dxs_in, dlayer, sq, layer's sq
-                               # (dxs donated)
+    layer_backward: Callable   # (layer, xs, dxs, batch, sq, kept=None) -> dxs_in, dlayer, sq,
+                               # layer's sq (dxs donated)
     embed_backward: Callable   # (embed, batch, dxs, dembed, sq) -> dembed, sq, skip, scale
     update_host: Callable      # (params, grads, opt_state, scale, skip) on host state, donated
     update_device: Callable    # the same on device-resident state, donated
@@ -68,6 +75,9 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
 
     def layer_forward(params, xs, batch):
         return jax.lax.map(lambda args: t.layer(params, *args), (xs, batch))
+
+    def layer_keeping(params, xs, batch):
+        return jax.lax.map(lambda args: t.layer_keeping(params, *args), (xs, batch))
 
     def head(head_params, embed_params, xs, batch, denom):
         """Loss, dL/dx for every micro-batch, and the head's (and tied embedding's) grads."""
@@ -92,17 +102,21 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
                              (xs, batch))
         return jnp.sum(losses)
 
-    def layer_backward(params, xs, dxs, batch, sq):
-        """Recomputes the layer from its saved inputs; returns dL/dx_in, dL/dw, the running sum
-        of squares and the layer's own."""
+    def layer_backward(params, xs, dxs, batch, sq, kept=None):
+        """Recomputes the layer from its saved inputs (taking what `kept` holds, when the
+        forward was layer_keeping's); returns dL/dx_in, dL/dw, the running sum of squares and
+        the layer's own."""
 
         def one(dw_acc, args):
-            x, dx, mb = args
-            _, vjp = jax.vjp(lambda w, x_: t.layer(w, x_, mb), params, x)
+            x, dx, mb, kept_mb = args
+            if kept_mb is None:
+                _, vjp = jax.vjp(lambda w, x_: t.layer(w, x_, mb), params, x)
+            else:
+                _, vjp = jax.vjp(lambda w, x_: t.layer_replaying(w, x_, mb, kept_mb), params, x)
             dw, dx_in = vjp(dx)
             return _add(dw_acc, dw), dx_in
 
-        dw, dxs_in = jax.lax.scan(one, _zeros_like(params), (xs, dxs, batch))
+        dw, dxs_in = jax.lax.scan(one, _zeros_like(params), (xs, dxs, batch, kept))
         dw = placement.constrain(dw)
         own = optim.sum_of_squares(dw)
         if t.layer_grad_dtype is not None and xs.shape[0] == 1:  # exact: see Templates
@@ -128,6 +142,7 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
     return Programs(
         embed_forward=jax.jit(embed_forward),
         layer_forward=jax.jit(layer_forward),
+        layer_keeping=jax.jit(layer_keeping),
         head=jax.jit(head),
         head_eval=jax.jit(head_eval),
         layer_backward=jax.jit(layer_backward, donate_argnums=2),

@@ -4,6 +4,9 @@
               while layer i computes, the next `depth` parts are already travelling H2D
     backward  layer L-1 … 0: recompute from the saved input, VJP, gradient D2H at once
 
+The last `keep_attention` layers' forward keeps what their backward's recompute then takes
+instead of computing it again (their attention's output: programs.Templates).
+
 Parts are indexed in streaming order (0 embed, 1..L layers, L+1 head) and named as
 `placement.part_names` names them. The loops only dispatch: programs compute, the placement
 moves, the tracer watches, and the previous step's update queue says when a part's new
@@ -24,11 +27,12 @@ from megatrain_jax.stream.trace import Tracer
 
 
 class Schedule:
-    def __init__(self, programs: Programs, placement: Placement, prefetch_depth: int = 2):
+    def __init__(self, programs: Programs, placement: Placement, prefetch_depth: int = 2,
+                 keep_attention: int = 0):
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.programs, self.placement = programs, placement
-        self.depth = prefetch_depth
+        self.depth, self.keep_attention = prefetch_depth, keep_attention
 
     def forward_backward(self, params: dict, batch: dict, denom, pending, tracer: Tracer,
                          on_gradient: Callable | None = None):
@@ -56,15 +60,19 @@ class Schedule:
 
         embed = fetch(0)
         xs = tracer.issued("compute", "embed", run.embed_forward(embed, batch))
-        saved, offloads = [], _InFlight(depth, tracer)
+        saved, kept, offloads = [], [None] * layers, _InFlight(depth, tracer)
+        keeping = range(layers - min(self.keep_attention, layers), layers)
         computing = _InFlight(depth, tracer, "compute")  # the weights fetched ahead of it
         stream = _prefetched(range(1, layers + 2), fetch, depth, written)
         for i, w in zip(range(layers), stream):
             tracer.visit("forward", i)
             saved.append(offloads.add(tracer.issued("d2h", f"input {i}", place.to_host(xs)))
                          if place.input_on_host(i) else xs)
-            xs = computing.add(tracer.issued("compute", f"forward {i}",
-                                             run.layer_forward(w, xs, batch)))
+            if i in keeping:
+                xs, kept[i] = run.layer_keeping(w, xs, batch)
+            else:
+                xs = run.layer_forward(w, xs, batch)
+            computing.add(tracer.issued("compute", f"forward {i}", xs))
             del w
         loss, dxs, dhead, dembed_head, sq = run.head(next(stream), embed, xs, batch, denom)
         tracer.issued("compute", "head", dxs)
@@ -83,7 +91,8 @@ class Schedule:
         for i, (w, x_in) in zip(order, _prefetched(order, fetch_back, depth)):
             tracer.visit("backward", i)
             saved[i] = None  # the device copy in x_in is the last one
-            dxs, dw, sq, own_sq = run.layer_backward(w, x_in, dxs, batch, sq)
+            dxs, dw, sq, own_sq = run.layer_backward(w, x_in, dxs, batch, sq, kept[i])
+            kept[i] = None
             tracer.issued("compute", f"backward {i}", sq)  # dxs is donated to the next call
             if place.is_resident(i + 1):
                 grads[i + 1] = dw

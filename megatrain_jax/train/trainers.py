@@ -20,6 +20,7 @@ import jax
 
 from megatrain_jax import model, optim
 from megatrain_jax.config import Config, ConfigError, memory
+from megatrain_jax.model import replay
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
 from megatrain_jax.stream.mesh import make_mesh
 from megatrain_jax.train.reference import ReferenceTrainer
@@ -37,6 +38,16 @@ def llama_templates(config: Config) -> Templates:
         return model.layer(p, x, cfg, batch.get("positions"), batch.get("segment_ids"),
                            mlp_tile=tile, attention_chunk=chunk_attention)
 
+    def layer_keeping(p, x, batch):
+        return model.layer_keeping_attention(p, x, cfg, batch.get("positions"),
+                                             batch.get("segment_ids"), mlp_tile=tile,
+                                             attention_chunk=chunk_attention)
+
+    def layer_replaying(p, x, batch, kept):
+        return model.layer_replaying_attention(p, x, kept, cfg, batch.get("positions"),
+                                               batch.get("segment_ids"), mlp_tile=tile,
+                                               attention_chunk=chunk_attention)
+
     def head_loss(p, embed_params, x, batch, denom):
         return model.head_loss(p, embed_params, x, batch["targets"], batch["mask"], cfg,
                                denom, chunk)
@@ -47,7 +58,8 @@ def llama_templates(config: Config) -> Templates:
     # gradients sum over tokens in fp32 and stay fp32.
     halves = config.stream.grad_dtype == "bfloat16" and cfg.compute_dtype == "bfloat16"
     return Templates(embed, layer, head_loss, tied=cfg.tie_embeddings,
-                     layer_grad_dtype="bfloat16" if halves else None)
+                     layer_grad_dtype="bfloat16" if halves else None,
+                     layer_keeping=layer_keeping, layer_replaying=layer_replaying)
 
 
 class StreamTrainer:
@@ -62,7 +74,7 @@ class StreamTrainer:
             saved_inputs=saved_inputs(cfg, mesh), micro_batches=cfg.data.micro_batches,
             learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
             speculate=cfg.stream.speculate, speculate_share=cfg.stream.speculate_share,
-            mesh=mesh,
+            mesh=mesh, keep_attention=keep_attention(cfg, mesh),
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go
@@ -106,6 +118,24 @@ def saved_inputs(cfg: Config, mesh) -> str | int:
     if cfg.stream.saved_inputs != "auto":
         return cfg.stream.saved_inputs
     return memory.saved_on_host(cfg, device_memory_bytes(), mesh.size if mesh else 1)
+
+
+def keep_attention(cfg: Config, mesh) -> int:
+    """`stream.keep_attention` for the engine: how many of the last layers keep their
+    attention for the backward (config/memory.py's arithmetic, the planner's). `on` is refused
+    with the fix where it cannot be kept; `auto` keeps none there."""
+    path = model.attention_path(cfg.model, cfg.data.seq_len)
+    keeps = replay.keeps(path)
+    if cfg.stream.keep_attention == "on":
+        why = ("several GPUs (mesh.data)" if mesh is not None else
+               None if keeps else f"the {path} attention of {cfg.data.seq_len:,}-token rows")
+        if why:
+            raise ConfigError(f"stream.keep_attention=on cannot keep the attention with {why}: "
+                              f"it keeps cuDNN's or the blockwise attention's, on one GPU; "
+                              f"set stream.keep_attention=auto or off")
+    if not keeps or mesh is not None:
+        return 0
+    return memory.keep_attention_layers(cfg, device_memory_bytes())
 
 
 def device_memory_bytes() -> int | None:

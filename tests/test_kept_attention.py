@@ -1,0 +1,159 @@
+"""Kept attention (`stream.keep_attention`): the forward keeps the attention's output and
+statistics, the backward's recompute takes them instead of attending again. Same values and
+gradients as attending again, fewer FLOPs, the same training as the reference; the planner's
+count of the layers that keep it, and the refusals (CPU, fp32, blockwise attention)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import max_rel_error, side_by_side, tiny
+
+from megatrain_jax import model
+from megatrain_jax.config import ConfigError, load_config, memory
+from megatrain_jax.model import replay
+from megatrain_jax.train import trainers
+
+GiB = 2**30
+
+
+def _layer_case(packed: bool):
+    """A layer of the tiny model at 200 tokens in chunks of 64 (the last one padded): its
+    weights, input, output gradient and segment ids (three packed examples per row)."""
+    cfg = tiny("model.max_seq_len=256", "model.attention=blockwise").model
+    p = model.init(cfg, jax.random.key(0))["layers"][0]
+    x = jax.random.normal(jax.random.key(1), (2, 200, cfg.hidden))
+    dy = jax.random.normal(jax.random.key(2), x.shape)
+    segments = None
+    if packed:
+        segments = jnp.tile(jnp.repeat(jnp.arange(3), jnp.array([70, 64, 66]),
+                                       total_repeat_length=200), (2, 1))
+    return cfg, p, x, dy, segments
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_replayed_layer_has_the_layers_value_and_gradients(packed):
+    cfg, p, x, dy, seg = _layer_case(packed)
+    opts = {"attention_chunk": 64}
+
+    def grads(fn):
+        y, vjp = jax.vjp(fn, p, x)
+        return y, vjp(dy)
+
+    plain = jax.jit(lambda: grads(lambda p_, x_: model.layer(p_, x_, cfg, None, seg, **opts)))
+    y, g = plain()
+    y_kept, kept = jax.jit(lambda: model.layer_keeping_attention(p, x, cfg, None, seg,
+                                                                 **opts))()
+    y_again, g_again = jax.jit(lambda kept: grads(lambda p_, x_: model.layer_replaying_attention(
+        p_, x_, kept, cfg, None, seg, **opts)))(kept)
+    assert max_rel_error(y_kept, y) <= 1e-6 and max_rel_error(y_again, y) <= 1e-6
+    assert max_rel_error(g_again, g) <= 1e-6
+
+
+def test_the_replayed_backward_does_not_attend_again(monkeypatch):
+    """Tracing the replaying layer's value-and-gradient never runs the attention's forward
+    (the blockwise online softmax); the plain layer's does, once."""
+    from megatrain_jax.model import blockwise
+
+    cfg, p, x, dy, _ = _layer_case(False)
+    opts = {"attention_chunk": 64}
+    kept = jax.jit(lambda: model.layer_keeping_attention(p, x, cfg, **opts))()[1]
+    calls, forward = [], blockwise._forward
+    monkeypatch.setattr(blockwise, "_forward", lambda *a: calls.append(1) or forward(*a))
+
+    def traced_forwards(layer, *args):
+        calls.clear()
+        jax.jit(lambda p_, x_, *k: jax.vjp(lambda a, b: layer(a, b, *k), p_, x_)[1](dy)).lower(
+            p, x, *args)
+        return len(calls)
+
+    assert traced_forwards(lambda a, b: model.layer(a, b, cfg, **opts)) == 1
+    assert traced_forwards(lambda a, b, k: model.layer_replaying_attention(a, b, k, cfg, **opts),
+                           kept) == 0
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_streamed_with_kept_attention_matches_reference_with_clipping(micro_batches):
+    cfg = tiny("model.layers=3", "data.batch_size=4", f"data.micro_batches={micro_batches}",
+               "optim.lr=1e-2", "optim.clip_norm=1.5", "model.attention=blockwise",
+               "stream.attention_chunk=16", "stream.keep_attention=on")
+    ref_state, state, stream, records = side_by_side(cfg, 6)
+    assert stream.engine.schedule.keep_attention == 3
+    norms = [r["grad_norm"] for r in records]
+    assert any(n > 1.5 for n in norms) and any(n < 1.5 for n in norms), norms
+    np.testing.assert_allclose([r["loss"] for r in records],
+                               [r["ref_loss"] for r in records], rtol=1e-5)
+    assert max_rel_error(state.params, ref_state.params) <= 1e-5
+
+
+def test_kept_attention_gives_the_gradients_of_attending_again():
+    """Some layers keeping, or none: the same gradients (the backward's arithmetic is the
+    attention's own either way)."""
+    from megatrain_jax import optim
+    from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.stream import StreamEngine
+
+    cfg = tiny("model.layers=3", "data.batch_size=2", "model.attention=blockwise",
+               "stream.attention_chunk=16")
+    params = model.init(cfg.model, jax.random.key(0))
+
+    def grads(keep):
+        engine = StreamEngine(trainers.llama_templates(cfg), optim.build_stream_optimizer(cfg),
+                              keep_attention=keep)
+        state = engine.state_from_params(params)
+        loss, g, *_ = engine.forward_backward(state.params, TokenSource(cfg).batch_at(0))
+        return float(loss), jax.tree.map(np.asarray, g)
+
+    base = grads(0)
+    for keep in (2, 3):
+        loss, g = grads(keep)
+        assert loss == base[0] and max_rel_error(g, base[1]) <= 1e-6
+
+
+# ----- how many layers keep it, and the refusals ---------------------------------------------
+
+def test_auto_keeps_as_many_layers_as_the_gpu_room_left_holds():
+    cfg = load_config("7b", ["data.batch_size=1", "data.seq_len=131072",
+                             "model.max_seq_len=131072"])
+    per = memory.kept_per_layer(cfg)
+    assert per == 131072 * 32 * (128 * 2 + 4)  # bf16 output and an fp32 statistic a row
+    h200, h100 = (memory.keep_attention_layers(cfg, gb * 10**9) for gb in (141, 80))
+    assert h200 == 32 and 0 < h100 < 32  # the H200 holds every layer's; the H100 some
+    device, _ = memory.step_bytes(cfg, 1, 80 * 10**9)
+    assert device["kept_attention"] == h100 * per
+    # What is left beyond it is less than one more layer's (SPLIT_HEADROOM aside).
+    assert 80 * 10**9 - sum(device.values()) - memory.SPLIT_HEADROOM < per
+    # Unknown room (the CPU), several GPUs, XLA's attention: none; on: every layer.
+    assert memory.keep_attention_layers(cfg, None) == 0
+    assert memory.keep_attention_layers(cfg, 141 * 10**9, devices=2) == 0
+    xla = load_config("7b", ["data.seq_len=1024", "model.attention=xla"])
+    assert memory.keep_attention_layers(xla, 141 * 10**9) == 0
+    for seq, layers in ((4096, 0), (8192, 32)):  # auto.KEEP_ATTENTION_FROM
+        rows = load_config("7b", ["data.batch_size=1", f"data.seq_len={seq}",
+                                  f"model.max_seq_len={seq}"])
+        assert memory.keep_attention_layers(rows, 141 * 10**9) == layers
+    on = load_config("7b", ["stream.keep_attention=on"])
+    assert memory.keep_attention_layers(on, None) == 32
+
+
+def test_the_plan_prints_the_layers_that_keep_it():
+    cfg = load_config("7b", ["data.batch_size=1", "data.seq_len=131072",
+                             "model.max_seq_len=131072"])
+    lines = "\n".join(memory.describe(cfg, 141 * 10**9))
+    assert "kept attention        1.02 GiB per layer (stream.keep_attention=auto)" in lines
+    assert "the last 32 layers keep it" in lines
+    assert "found at the start" in "\n".join(memory.describe(cfg, None))
+
+
+def test_keeping_is_refused_where_the_attention_cannot_be_kept():
+    cfg = tiny("stream.keep_attention=on")  # 32 tokens on the CPU: XLA's attention
+    with pytest.raises(ConfigError, match="stream.keep_attention=on cannot keep the attention "
+                                          "with the xla attention of 32-token rows"):
+        trainers.keep_attention(cfg, None)
+    assert trainers.keep_attention(tiny(), None) == 0  # auto: none, no error
+    blockwise = tiny("stream.keep_attention=on", "model.attention=blockwise")
+    assert trainers.keep_attention(blockwise, None) == blockwise.model.layers
+    with pytest.raises(ConfigError, match="several GPUs"):
+        trainers.keep_attention(blockwise, object())
+    assert replay.keeps("blockwise", packed=True) and not replay.keeps("xla")
+    assert not replay.keeps("cudnn", packed=True)

@@ -5,7 +5,7 @@
 At each stage of a run's start (the interpreter with numpy; jax imported; the backend up;
 the trainer built; the state at home; the first step, compiled; the later steps; after
 returning the heap's free pages) it records the process's resident memory by kind (anon,
-file, shmem: the pinned pool is shmem) and glibc's own account of its heap (mallinfo2:
+file, shmem: the pinned pool is shmem; and the peak) and glibc's own account of its heap (mallinfo2:
 bytes in use and free in its arenas, and in its own large mappings). Anonymous memory
 beyond glibc's is mapped by others: the CUDA driver and the libraries it loads. A table of
 the stages and what each added is printed last.
@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatrain_jax.stream.updates import release_free_heap  # noqa: E402  (no JAX in it)
-from megatrain_jax.tools.machine import host_rss_parts_bytes  # noqa: E402
+from megatrain_jax.tools.machine import host_rss_bytes, host_rss_parts_bytes  # noqa: E402
 
 GiB = 2**30
 
@@ -51,7 +51,8 @@ def glibc_heap() -> dict[str, int]:
 
 def record(stages: list, name: str, began: float) -> None:
     row = {"stage": name, "seconds": round(time.perf_counter() - began, 2),
-           **host_rss_parts_bytes(), **{f"glibc_{k}": v for k, v in glibc_heap().items()}}
+           "peak": host_rss_bytes(), **host_rss_parts_bytes(),
+           **{f"glibc_{k}": v for k, v in glibc_heap().items()}}
     stages.append(row)
     print(json.dumps(row), flush=True)
 
@@ -99,14 +100,14 @@ def main() -> None:
                                                   "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"],
                                               "stages": stages}, indent=1) + "\n")
     print(f"{'stage':14} {'anon':>7} {'+anon':>7} {'file':>6} {'shmem':>7} {'glibc use':>9} "
-          f"{'free':>6} {'mapped':>7}  (GiB)")
+          f"{'free':>6} {'mapped':>7} {'peak':>7}  (GiB)")
     last = 0
     for r in stages:
         anon = r.get("anon", 0)
         print(f"{r['stage']:14} {anon / GiB:7.2f} {(anon - last) / GiB:+7.2f} "
               f"{r.get('file', 0) / GiB:6.2f} {r.get('shmem', 0) / GiB:7.2f} "
               f"{r.get('glibc_in_use', 0) / GiB:9.2f} {r.get('glibc_free', 0) / GiB:6.2f} "
-              f"{r.get('glibc_mapped', 0) / GiB:7.2f}")
+              f"{r.get('glibc_mapped', 0) / GiB:7.2f} {r['peak'] / GiB:7.2f}")
         last = anon
 
 

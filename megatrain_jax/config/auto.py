@@ -32,8 +32,9 @@ MLP_TILE = 8192
 # then does not attend again (model/replay.py); XLA's backward needs its [S, S] probabilities.
 KEEPS_ATTENTION = ("cudnn", "blockwise")
 # `stream.keep_attention=auto` keeps it for rows of at least this many tokens. Below, the
-# attention is a small part of a layer's recompute (at 7b's width, its forward is about 2
-# of a token's 47 GFLOP at 1024 tokens, 8 at 8192) and the GPU memory is better left free.
+# attention is a small part of the recompute (7b's forward: 0.3 of 13.5 GFLOP a token at
+# 1024 tokens, 2.2 of 15.4 at 8192; one layer's backward measured 5% shorter at 8192 on the
+# H200, 17% at 32768) and the GPU memory is better left free.
 KEEP_ATTENTION_FROM = 8192
 # Rotary angles are exact for positions of magnitude below 2**24 (model/ops.py says why).
 MAX_POSITION = 2**24

@@ -1,8 +1,8 @@
 """Attention whose backward does not run its forward again.
 
 A streamed layer's backward recomputes the layer from its saved input. At long sequences the
-attention is most of that recompute (7b at 131072 tokens: about 34 of the 47 GFLOP a token
-of a layer's forward), and its backward needs only q, k, v, its output and one softmax
+attention is most of that recompute (7b at 131072 tokens: about 34 of the forward's 47 GFLOP
+a token), and its backward needs only q, k, v, its output and one softmax
 statistic per row. So the forward program keeps the output and the statistics (`keep`), and
 the backward program's recompute takes them instead of attending (`replayed`): q, k and v
 are recomputed (cheap projections), the attention is not, and its backward reads the kept

@@ -32,7 +32,15 @@ from megatrain_jax.io import array_files, checkpoint
 from megatrain_jax.tools.roofline import gradient_bytes  # plain arithmetic, no JAX
 
 GiB = 2**30
-RUNTIME_OVERHEAD = 9 * GiB
+# Host memory of a streamed run beyond its pinned pool (measured on an H100 machine, 1b and 7b,
+# benchmarks/host_heap.py: 1.7 and 2.2 GiB with the peak's transients): the JAX, CUDA and
+# XLA runtimes, their libraries' mapped files, the trainer's own arrays. A fixed amount.
+RUNTIME = 2.5 * GiB
+# XLA's pinned host allocator (a BFC allocator) keeps one 8-byte chunk handle for every 256
+# bytes of its regions, in the process's heap: 1/32 of the pool (3.2 GiB beside 7b's 103 GiB,
+# measured 3.7 GiB of glibc's large mappings).
+POOL_BOOKKEEPING = 1 / 32
+PINNED = ("master_weights", "optimizer_state", "gradients", "saved_inputs")
 
 
 def estimate(cfg: Config, gpu: int | None = None) -> dict:
@@ -51,12 +59,13 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
         "optimizer_state": int(optimizer_bytes(cfg) * (params - resident)),
         "gradients": int(gradient_bytes(cfg) * (params - resident)),
         "saved_inputs": saved_on_host,
-        # Beyond the pinned state: the pool's unfilled margin, the JAX and CUDA runtimes and
-        # the trainer's own arrays. Measured on the H200 machine with the pool at the state
-        # plus POOL_MARGIN: 5.8-8.6 GiB over 7b and 14b runs (bench_step's host_state_gib
-        # against its peak RSS), whatever the size: a fixed amount.
-        "runtime_overhead": RUNTIME_OVERHEAD,
     }
+    # Beyond the pinned state: the pool's unfilled margin (the pool is resident once the
+    # state fills most of it), its allocator's bookkeeping, and the runtimes.
+    pool = pool_limit_gib(cfg, sum(host.values())) * GiB
+    host["pool_margin"] = max(0, pool - sum(host.values()))
+    host["pool_bookkeeping"] = int(pool * POOL_BOOKKEEPING)
+    host["runtime"] = int(RUNTIME)
     if cfg.loop.trainer == "reference":
         saved = m.layers * memory.saved_per_layer(cfg)
         device = {"whole_model_state": 16 * params,
@@ -121,12 +130,26 @@ def pinned_pool_bytes(cfg: Config, measuring: bool = False) -> int:
     XLA's host allocator grows its regions by doubling up to this cap, and pinned memory is
     resident once allocated: the process holds about the whole pool once the state fills
     most of it. A tight cap is host memory kept for everything else."""
+    return _pool_bytes(cfg, pinned_bytes(cfg), measuring)
+
+
+def pinned_bytes(cfg: Config) -> int:
+    """Bytes of the host state the pool holds (weights, optimizer state, gradients, saved
+    inputs on the host)."""
+    host = estimate(cfg)["host"]
+    return sum(host.get(name, 0) for name in PINNED)
+
+
+def _pool_bytes(cfg: Config, pinned: int, measuring: bool = False) -> int:
     if cfg.stream.host_memory_gb:
         return int(cfg.stream.host_memory_gb * GiB)
-    host = estimate(cfg)["host"]
-    pinned = sum(n for name, n in host.items()
-                 if name not in ("runtime_overhead", "checkpoint_copies"))  # not pinned
     return pinned + POOL_MARGIN + (measurement_bytes(cfg) if measuring else 0)
+
+
+def pool_limit_gib(cfg: Config, pinned: int, measuring: bool = False) -> int:
+    """The pool's cap in whole GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) for `pinned` bytes of
+    host state: the pool and its margin, rounded up."""
+    return _pool_bytes(cfg, pinned, measuring) // GiB + 1
 
 
 # The roofline's measurement (`plan --measure`, bench_step) times the link on pinned copies of
@@ -291,8 +314,8 @@ def largest_fitting(cfg: Config, host: int | None, gpu: int | None):
 def set_pool_env(cfg: Config, measuring: bool = False) -> None:
     """Sizes XLA's pinned host pool and its share of the GPU before JAX starts; a value
     already in the environment wins."""
-    gib = pinned_pool_bytes(cfg, measuring) // GiB + 1
-    os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(gib))
+    os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
+                          str(pool_limit_gib(cfg, pinned_bytes(cfg), measuring)))
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_FRACTION))
 
 

@@ -54,7 +54,8 @@ def step_bytes(cfg: Config, devices: int, gpu: int | None) -> tuple[dict, int]:
 def keep_attention_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
     """How many layers, the last ones, keep their attention's output and statistics for the
     backward under `stream.keep_attention`: `on` every layer, `off` none, `auto` as many as
-    the GPU room left after the saved inputs holds (none where that room is unknown, for
+    the GPU room left after the saved inputs holds, less one more layer's working set (none
+    where that room is unknown, for
     rows shorter than auto.KEEP_ATTENTION_FROM, where the attention cannot keep them, or over
     several GPUs)."""
     local, device, room = _without_inputs(cfg, devices, gpu)
@@ -67,9 +68,15 @@ def _keeping(local: Config, devices: int, room: int | None) -> int:
     s, layers = local.stream.keep_attention, local.model.layers
     if s != "auto":
         return layers if s == "on" else 0
+    acts = activations(local)
     if (room is None or devices > 1 or local.data.seq_len < auto.KEEP_ATTENTION_FROM
-            or activations(local)["attention"] not in auto.KEEPS_ATTENTION):
+            or acts["attention"] not in auto.KEEPS_ATTENTION):
         return 0
+    # Beside the kept tensors, one more layer's working set stays free: the backward's
+    # temporaries are one allocation, which the kept tensors, made all through the forward,
+    # can leave no room for in one piece (7b at 1 x 131072 on an 80 GB H100: 14 layers kept
+    # by the room alone ran out of memory in the backward, asking for 19.5 GiB).
+    room -= acts["working_set_total"]
     return max(0, min(layers, room // kept_per_layer(local)))
 
 

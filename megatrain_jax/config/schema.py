@@ -154,7 +154,8 @@ class StreamConfig:
     # The last layers' forward keeps its attention's output and softmax statistics on the GPU,
     # and their backward takes them instead of attending again: on (every layer), off, or
     # auto (rows of 8192 tokens or more: as many layers as the GPU's room holds after the
-    # saved inputs, with the cuDNN or blockwise attention, on one GPU).
+    # saved inputs and one more working set, with the cuDNN or blockwise attention, on one
+    # GPU).
     keep_attention: str = "auto"
 
 

@@ -12,6 +12,8 @@ the next step: the next forward waits for a part's update only when it fetches t
 With any other Optax transformation it runs as one compiled program per part that streams
 the state through the device, at the end of the step. The first `resident_layers` layers
 live in GPU memory (placement.py) and are updated there by donation, beside the host update.
+The last `keep_attention` layers' forward keeps what their backward's recompute then takes
+instead of computing it again (Templates.layer_keeping: the attention's output, on the GPU).
 
     engine = StreamEngine(templates, optimizer, clip_norm=1.0)
     state = engine.init_state(init_embed, init_layer, init_head, num_layers)

@@ -166,3 +166,17 @@ def test_keeping_is_refused_where_the_attention_cannot_be_kept():
         trainers.keep_attention(blockwise, object())
     assert replay.keeps("blockwise", packed=True) and not replay.keeps("xla")
     assert not replay.keeps("cudnn", packed=True)
+
+
+def test_a_plan_that_keeps_every_layer_beyond_the_gpu_names_the_setting_that_fits():
+    """7b at 131072 keeping all 32 layers needs about 91 GiB: an 80 GB GPU refuses it and
+    names stream.keep_attention=auto (which keeps what the room holds) and off."""
+    from megatrain_jax.tools import plan
+
+    cfg = load_config("7b", ["data.batch_size=1", "data.seq_len=131072",
+                             "model.max_seq_len=131072", "stream.keep_attention=on"])
+    with pytest.raises(ConfigError, match="Changes that fit: .*stream.keep_attention=auto; "
+                                          "stream.keep_attention=off"):
+        plan.check_fits(cfg, host=125 * GiB, gpu=75 * GiB)
+    plan.check_fits(cfg, host=125 * GiB, gpu=133 * GiB)  # the H200's share holds them all
+

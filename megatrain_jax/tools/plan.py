@@ -244,6 +244,10 @@ def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]
                                                               mlp_tile=auto.MLP_TILE)
     if memory.activations(cfg)["attention"] == "xla":
         candidates["model.attention=blockwise"] = replaced(cfg, "model", attention="blockwise")
+    if s.keep_attention == "on":
+        for other in ("auto", "off"):
+            candidates[f"stream.keep_attention={other}"] = replaced(cfg, "stream",
+                                                                  keep_attention=other)
     for k in range(d.micro_batches + 1, d.batch_size + 1):
         if d.batch_size % k == 0 and _fits(replaced(cfg, "data", micro_batches=k), host, gpu):
             candidates[f"data.micro_batches={k}"] = None

@@ -134,10 +134,9 @@ def pinned_pool_bytes(cfg: Config, measuring: bool = False) -> int:
 
 
 def pinned_bytes(cfg: Config) -> int:
-    """Bytes of the host state the pool holds (weights, optimizer state, gradients, saved
-    inputs on the host)."""
-    host = estimate(cfg)["host"]
-    return sum(host.get(name, 0) for name in PINNED)
+    """Bytes of the host state the pool holds (PINNED: weights, optimizer state, gradients,
+    saved inputs on the host)."""
+    return sum(estimate(cfg)["host"].get(name, 0) for name in PINNED)
 
 
 def _pool_bytes(cfg: Config, pinned: int, measuring: bool = False) -> int:
@@ -244,10 +243,8 @@ def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]
                                                               mlp_tile=auto.MLP_TILE)
     if memory.activations(cfg)["attention"] == "xla":
         candidates["model.attention=blockwise"] = replaced(cfg, "model", attention="blockwise")
-    if s.keep_attention == "on":
-        for other in ("auto", "off"):
-            candidates[f"stream.keep_attention={other}"] = replaced(cfg, "stream",
-                                                                  keep_attention=other)
+    for other in ("auto", "off") if s.keep_attention == "on" else ():
+        candidates[f"stream.keep_attention={other}"] = replaced(cfg, "stream", keep_attention=other)
     for k in range(d.micro_batches + 1, d.batch_size + 1):
         if d.batch_size % k == 0 and _fits(replaced(cfg, "data", micro_batches=k), host, gpu):
             candidates[f"data.micro_batches={k}"] = None

@@ -62,8 +62,9 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     }
     # Beyond the pinned state: the pool's unfilled margin (the pool is resident once the
     # state fills most of it), its allocator's bookkeeping, and the runtimes.
-    pool = pool_limit_gib(cfg, sum(host.values())) * GiB
-    host["pool_margin"] = max(0, pool - sum(host.values()))
+    pinned = sum(host[name] for name in PINNED)
+    pool = pool_limit_gib(cfg, pinned) * GiB
+    host["pool_margin"] = max(0, pool - pinned)
     host["pool_bookkeeping"] = int(pool * POOL_BOOKKEEPING)
     host["runtime"] = int(RUNTIME)
     if cfg.loop.trainer == "reference":

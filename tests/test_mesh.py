@@ -157,11 +157,16 @@ def test_the_plan_is_per_gpu_for_a_mesh_and_the_host_holds_one_state():
     from megatrain_jax.config import load_config
     from megatrain_jax.tools import plan
 
-    one = plan.estimate(load_config("7b", ["mesh.data=1"]), gpu=140 * 2**30)
-    two = plan.estimate(load_config("7b", ["mesh.data=2", "data.batch_size=32"]),
+    fp32_grads = "stream.grad_dtype=float32"
+    one = plan.estimate(load_config("7b", ["mesh.data=1", fp32_grads]), gpu=140 * 2**30)
+    two = plan.estimate(load_config("7b", ["mesh.data=2", "data.batch_size=32", fp32_grads]),
                         gpu=140 * 2**30)
     assert two["devices"] == 2 and one["devices"] == 1
     assert two["host_total"] == one["host_total"]  # twice the tokens, the same host state
+    # Summed over the mesh, the layer gradients are no bf16 values: auto keeps them fp32.
+    auto = plan.estimate(load_config("7b", ["mesh.data=2", "data.batch_size=32"]),
+                         gpu=140 * 2**30)
+    assert auto["host"]["gradients"] == two["host"]["gradients"]
     assert two["device"]["workspace"] == one["device"]["workspace"]  # 16 rows per GPU each
     assert two["device"]["weights_in_flight"] < one["device"]["weights_in_flight"]
     assert two["device_total"] < one["device_total"]

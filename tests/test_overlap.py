@@ -309,12 +309,18 @@ def _dtypes(tree):
 
 
 def test_bf16_layer_gradients_are_exact():
-    """stream.grad_dtype=bfloat16, bf16 compute, one micro-batch: layer gradients reach the
-    host as bf16 (embedding and head stay fp32), and on the CPU training is bit for bit the
+    """stream.grad_dtype=auto (the default), bf16 compute, one micro-batch: layer gradients
+    reach the host as bf16 (embedding and head stay fp32), and training is bit for bit the
     fp32-gradient run's, guesses included; with two micro-batches (summed in fp32 on the
-    device) they stay fp32."""
-    base = ("model.compute_dtype=bfloat16", "optim.lr=1e-3", "stream.speculate=on",
-            "stream.grad_dtype=bfloat16")
+    device), or over several devices, they stay fp32."""
+    from megatrain_jax.config import auto
+
+    assert auto.grad_dtype("auto", "bfloat16", 1, 1) == "bfloat16"
+    assert auto.grad_dtype("auto", "bfloat16", 1, 2) == "float32"  # summed over a mesh
+    assert auto.grad_dtype("auto", "float32", 1, 1) == "float32"
+    assert auto.grad_dtype("bfloat16", "bfloat16", 1, 2) == "bfloat16"  # asked: rounded
+    assert auto.grad_dtype("bfloat16", "bfloat16", 2, 1) == "float32"  # summed on the device
+    base = ("model.compute_dtype=bfloat16", "optim.lr=1e-3", "stream.speculate=on")
     trainer = StreamTrainer(_cfg(*base))
     batch = TokenSource(trainer.cfg).batch_at(0)
     _, grads, *_ = trainer.engine.forward_backward(trainer.init(None, model.init(

@@ -36,6 +36,23 @@ KEEPS_ATTENTION = ("cudnn", "blockwise")
 # 1024 tokens, 2.2 of 15.4 at 8192; one layer's backward measured 5% shorter at 8192 on the
 # H200, 17% at 32768) and the GPU memory is better left free.
 KEEP_ATTENTION_FROM = 8192
+def grad_dtype(requested: str, compute_dtype: str, micro_batches: int, devices: int) -> str:
+    """The dtype the layers' weight gradients travel to the host and rest there in.
+
+    A layer that casts its fp32 weights to bf16 has bf16 values for their gradients (the
+    step's programs keep every bf16 value as the program writes it: stream/programs.py), so
+    `auto` takes bfloat16 with bf16 compute, one micro-batch and one device. Summed over a
+    mesh's devices they are fp32 values and `auto` keeps them fp32; `bfloat16` there rounds
+    them. Summed over micro-batches (on the device) or with fp32 compute they stay fp32
+    whatever is asked.
+    """
+    if compute_dtype != "bfloat16" or micro_batches != 1:
+        return "float32"
+    if requested == "auto":
+        return "bfloat16" if devices == 1 else "float32"
+    return requested
+
+
 # Rotary angles are exact for positions of magnitude below 2**24 (model/ops.py says why).
 MAX_POSITION = 2**24
 

@@ -145,10 +145,10 @@ class StreamConfig:
     # update a guessing step starts during the backward; the rest are updated after it,
     # beside the next forward. Below 1 splits the host memory's traffic between the two.
     speculate_share: float = 1.0
-    # Layer weight gradients D2H and on the host: float32, or bfloat16 (with bf16 compute and
-    # one micro-batch): half their bytes; exact on the CPU, rounded on the GPU, where XLA
-    # makes the weight gradients of bf16 matmuls in fp32 (docs/guide.md).
-    grad_dtype: str = "float32"
+    # Layer weight gradients D2H and on the host: auto (bfloat16 where they are bf16 values:
+    # bf16 compute, one micro-batch, one device; else float32), float32, or bfloat16 (also
+    # where it rounds them). Half their bytes in bf16 (docs/guide.md).
+    grad_dtype: str = "auto"
     mlp_tile: int = 0  # tokens per MLP tile, recomputed in the backward; 0: auto (config/auto.py)
     attention_chunk: int = 0  # tokens per blockwise attention chunk; 0: auto
     # The last layers' forward keeps its attention's output and softmax statistics on the GPU,
@@ -214,7 +214,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "stream.saved_inputs": ("auto", "device", "pinned_host"),
     "stream.update": ("auto", "host", "device"),
     "stream.speculate": ("off", "auto", "on"),
-    "stream.grad_dtype": ("float32", "bfloat16"),
+    "stream.grad_dtype": ("auto", "float32", "bfloat16"),
     "stream.keep_attention": ("auto", "on", "off"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),

@@ -66,6 +66,21 @@ class Programs:
     update_device: Callable    # the same on device-resident state, donated
 
 
+# Every value keeps the dtype the program gives it: XLA may not skip the rounding of a bf16
+# value on its way back to fp32 (its default allows that "excess precision"). The weight
+# gradient of a layer that casts its fp32 weights to bf16 is such a value, so it is a bf16
+# value by the compiler's contract, not by its fusion choices of the day, and travels in bf16
+# exactly (stream.grad_dtype=auto). Measured at 7b width on an H100 (jax 0.11.2), the
+# gradients are bf16 values either way, and the layer's forward and backward take the same
+# time within 4% (benchmarks/excess_precision.py, benchmarks/RESULTS.md).
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def jit(fn: Callable, **kwargs) -> Callable:
+    """`jax.jit` with COMPILER_OPTIONS: for the step's programs and the reference's."""
+    return jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
+
+
 def build_programs(templates: Templates, optimizer: optax.GradientTransformation,
                    clip_norm: float, placement: Placement) -> Programs:
     t = templates
@@ -140,13 +155,13 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         return optim.apply_update(optimizer, params, grads, opt_state, scale, skip)
 
     return Programs(
-        embed_forward=jax.jit(embed_forward),
-        layer_forward=jax.jit(layer_forward),
-        layer_keeping=jax.jit(layer_keeping),
-        head=jax.jit(head),
-        head_eval=jax.jit(head_eval),
-        layer_backward=jax.jit(layer_backward, donate_argnums=2),
-        embed_backward=jax.jit(embed_backward),
+        embed_forward=jit(embed_forward),
+        layer_forward=jit(layer_forward),
+        layer_keeping=jit(layer_keeping),
+        head=jit(head),
+        head_eval=jit(head_eval),
+        layer_backward=jit(layer_backward, donate_argnums=2),
+        embed_backward=jit(embed_backward),
         update_host=placement.host_jit(update, donate_argnums=(0, 2)),
         update_device=placement.device_jit(update, donate_argnums=(0, 2)),
     )

@@ -57,7 +57,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     host = {
         "master_weights": 4 * (params - resident),
         "optimizer_state": int(optimizer_bytes(cfg) * (params - resident)),
-        "gradients": int(gradient_bytes(cfg) * (params - resident)),
+        "gradients": int(gradient_bytes(cfg, n) * (params - resident)),
         "saved_inputs": saved_on_host,
     }
     # Beyond the pinned state: the pool's unfilled margin (the pool is resident once the

@@ -154,15 +154,17 @@ def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
                                host_memory_gbps=max(kernel_gbps, moved))
 
 
-def gradient_bytes(cfg) -> float:
+def gradient_bytes(cfg, devices: int = 1) -> float:
     """Bytes per host-held parameter of a step's gradients: layers' in bf16 where the engine
-    sends them so (stream.grad_dtype=bfloat16, bf16 compute, one micro-batch), the rest fp32."""
-    m = cfg.model
-    if cfg.stream.grad_dtype != "bfloat16" or m.compute_dtype != "bfloat16" \
-            or cfg.data.micro_batches != 1:
+    sends them so (stream.grad_dtype: config/auto.py), the rest fp32."""
+    from megatrain_jax.config import auto
+
+    m, s = cfg.model, cfg.stream
+    if auto.grad_dtype(s.grad_dtype, m.compute_dtype, cfg.data.micro_batches,
+                       devices) != "bfloat16":
         return 4.0
-    streamed = streamed_params(m, cfg.stream.resident_layers)
-    layers = (m.layers - cfg.stream.resident_layers) * m.params_per_layer
+    streamed = streamed_params(m, s.resident_layers)
+    layers = (m.layers - s.resident_layers) * m.params_per_layer
     return (2 * layers + 4 * (streamed - layers)) / max(streamed, 1)
 
 

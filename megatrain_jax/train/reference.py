@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from megatrain_jax import model, optim
 from megatrain_jax.config import Config
+from megatrain_jax.stream import programs
 from megatrain_jax.stream.placement import placed_shapes
 
 
@@ -46,9 +47,9 @@ class ReferenceTrainer:
         self.cfg = cfg
         self.opt = optim.build_optimizer(cfg)
         self.lr = optim.learning_rate(cfg)
-        self._train_step_jit = jax.jit(self._train_step, donate_argnums=0)
+        self._train_step_jit = programs.jit(self._train_step, donate_argnums=0)
         self.put_params = jax.device_put  # where imported parameters go
-        self._eval_loss = jax.jit(self._eval_loss_impl)
+        self._eval_loss = programs.jit(self._eval_loss_impl)
 
     def init(self, key, params: dict | None = None) -> TrainState:
         params = model.init(self.cfg.model, key) if params is None else params

@@ -19,15 +19,16 @@ from functools import partial
 import jax
 
 from megatrain_jax import model, optim
-from megatrain_jax.config import Config, ConfigError, memory
+from megatrain_jax.config import Config, ConfigError, auto, memory
 from megatrain_jax.model import replay
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
 from megatrain_jax.stream.mesh import make_mesh
 from megatrain_jax.train.reference import ReferenceTrainer
 
 
-def llama_templates(config: Config) -> Templates:
-    """The built-in Llama-family model as engine templates, from a full `Config`."""
+def llama_templates(config: Config, devices: int = 1) -> Templates:
+    """The built-in Llama-family model as engine templates, from a full `Config`, for an
+    engine over `devices` devices."""
     cfg, chunk = config.model, config.stream.loss_chunk
     tile, chunk_attention = config.stream.mlp_tile, config.stream.attention_chunk
 
@@ -52,11 +53,11 @@ def llama_templates(config: Config) -> Templates:
         return model.head_loss(p, embed_params, x, batch["targets"], batch["mask"], cfg,
                                denom, chunk)
 
-    # stream.grad_dtype=bfloat16: the layer casts every weight to bf16, so the gradients of
-    # its weights are bf16 values where the backend keeps the matmuls' bf16 outputs (the CPU;
-    # XLA on the GPU makes them in fp32, and the cast rounds them). Embedding and head
-    # gradients sum over tokens in fp32 and stay fp32.
-    halves = config.stream.grad_dtype == "bfloat16" and cfg.compute_dtype == "bfloat16"
+    # With bf16 compute the layer casts every weight to bf16, so the gradients of its weights
+    # are bf16 values: stream.grad_dtype (config/auto.py) says whether they travel in bf16.
+    # Embedding and head gradients sum over tokens in fp32 and stay fp32.
+    halves = auto.grad_dtype(config.stream.grad_dtype, cfg.compute_dtype,
+                             config.data.micro_batches, devices) == "bfloat16"
     return Templates(embed, layer, head_loss, tied=cfg.tie_embeddings,
                      layer_grad_dtype="bfloat16" if halves else None,
                      layer_keeping=layer_keeping, layer_replaying=layer_replaying)
@@ -69,7 +70,7 @@ class StreamTrainer:
         self.cfg = cfg
         mesh = mesh_for(cfg)
         self.engine = StreamEngine(
-            llama_templates(cfg), optim.build_stream_optimizer(cfg),
+            llama_templates(cfg, mesh.size if mesh else 1), optim.build_stream_optimizer(cfg),
             clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
             saved_inputs=saved_inputs(cfg, mesh), micro_batches=cfg.data.micro_batches,
             learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,

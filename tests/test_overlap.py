@@ -308,6 +308,27 @@ def _dtypes(tree):
     return {str(leaf.dtype) for leaf in jax.tree.leaves(tree)}
 
 
+def test_the_step_programs_keep_every_bf16_value_as_the_program_writes_it():
+    """programs.jit (the step's programs and the reference's) compiles without excess
+    precision: a bf16 product is rounded to bf16 before the next one, as written, where XLA's
+    default skips that rounding. So a bf16-typed gradient is a bf16 value on any backend."""
+    from megatrain_jax.stream import programs
+
+    a, b, c = (jax.random.normal(k, (4096,)).astype(jnp.bfloat16)
+               for k in jax.random.split(jax.random.key(0), 3))
+
+    def product(a, b, c):
+        return ((a * b) * c).astype(jnp.float32)
+
+    def rounded(x):
+        return np.asarray(x, np.float32).astype(jnp.bfloat16).astype(np.float32)
+
+    as_written = rounded(rounded(np.asarray(a, np.float32) * np.asarray(b, np.float32))
+                         * np.asarray(c, np.float32))
+    np.testing.assert_array_equal(np.asarray(programs.jit(product)(a, b, c)), as_written)
+    assert not np.array_equal(np.asarray(jax.jit(product)(a, b, c)), as_written)
+
+
 def test_bf16_layer_gradients_are_exact():
     """stream.grad_dtype=auto (the default), bf16 compute, one micro-batch: layer gradients
     reach the host as bf16 (embedding and head stay fp32), and training is bit for bit the

@@ -120,7 +120,8 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
     for part in ("master_weights", "optimizer_state", "gradients", "pinned host pool",
                  "saved_inputs", "workspace", "host memory: 125.00 GiB -> fits",
                  "GPU memory: 132.05 GiB of 139.00 GiB (XLA's share) -> fits",
-                 "largest shipped shape that fits this machine: llama3-8b"):
+                 "largest shipped shape that fits this machine: llama3-8b",
+                 "layer gradients to the host in bfloat16 (stream.grad_dtype=auto)"):
         assert part in out, part
     rates = roofline.Rates.from_result(RATES_7B)
     cfg = load_config("7b")

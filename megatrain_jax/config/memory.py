@@ -207,7 +207,8 @@ def saved_bytes(cfg: Config, room: int | None = None) -> tuple[int, int]:
 
 
 def describe(cfg: Config, gpu: int | None, devices: int = 1) -> list[str]:
-    """The plan's activation lines; `gpu`: the bytes XLA may use on each GPU, if known."""
+    """The plan's lines on the gradients' dtype and the activations; `gpu`: the bytes XLA may
+    use on each GPU, if known."""
     acts = activations(cfg)
     m, d = cfg.model, cfg.data
     path = acts["attention"]
@@ -218,7 +219,9 @@ def describe(cfg: Config, gpu: int | None, devices: int = 1) -> list[str]:
                  f"up to {auto.XLA_MAX_SEQ:,} otherwise, blockwise beyond)")
     tile = acts["mlp_tile"]
     per, layers = acts["saved_per_layer"], m.layers
+    grads = auto.grad_dtype(cfg.stream.grad_dtype, m.compute_dtype, d.micro_batches, devices)
     lines = [
+        f"layer gradients to the host in {grads} (stream.grad_dtype={cfg.stream.grad_dtype})",
         f"activations ({d.batch_size // d.micro_batches} x {d.seq_len:,} tokens per "
         f"micro-batch, {m.compute_dtype}):",
         f"  attention             {path}",

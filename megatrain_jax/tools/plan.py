@@ -77,8 +77,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
         # A save copies the state held in GPU memory to the host (host state is written from
         # its own buffers) and reads back through one chunk buffer per thread.
         on_device = params if cfg.loop.trainer == "reference" else resident
-        host["checkpoint_copies"] = int(state * on_device) + \
-            checkpoint.THREADS * array_files.CHUNK
+        host["checkpoint_copies"] = int(state * on_device) + checkpoint.THREADS * array_files.CHUNK
     return {"host": host, "device": device, "host_total": sum(host.values()),
             "device_total": sum(device.values()), "devices": n}
 
@@ -237,8 +236,7 @@ def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]
     candidates = _state_modes(cfg, host, gpu)
     for other in CHOICES["stream.saved_inputs"]:
         if other != s.saved_inputs:
-            candidates[f"stream.saved_inputs={other}"] = replaced(cfg, "stream",
-                                                               saved_inputs=other)
+            candidates[f"stream.saved_inputs={other}"] = replaced(cfg, "stream", saved_inputs=other)
     if not memory.activations(cfg)["mlp_tile"] and tokens > auto.MLP_TILE:
         candidates[f"stream.mlp_tile={auto.MLP_TILE}"] = replaced(cfg, "stream",
                                                               mlp_tile=auto.MLP_TILE)
@@ -267,8 +265,9 @@ def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]
 def _state_modes(cfg: Config, host: int | None, gpu: int | None) -> dict:
     """The first of the smaller forms of the optimizer state and gradients that fits:
     a compact optim.state_dtype, and bf16 layer gradients where that alone is not enough."""
-    o, s = cfg.optim, cfg.stream
-    halves = s.grad_dtype != "bfloat16" and cfg.model.compute_dtype == "bfloat16"
+    o, s, n = cfg.optim, cfg.stream, planned_devices(cfg)
+    bf16 = replaced(cfg, "stream", grad_dtype="bfloat16")
+    halves = gradient_bytes(bf16, n) < gradient_bytes(cfg, n)  # only where they are sent so
     dtypes = STATE_DTYPES[STATE_DTYPES.index(o.state_dtype):]
     if o.name not in HOST_OPTIMIZERS or s.speculate == "on":  # no compact moments there
         dtypes = dtypes[:1]

@@ -18,12 +18,19 @@ from megatrain_jax import model, optim
 from megatrain_jax.io.data import TokenSource
 from megatrain_jax.optim import HostAdamW, decay_mask
 from megatrain_jax.optim.adamw_inverse import UNDO_ULPS
-from megatrain_jax.stream import Placement, UpdateQueue
+from megatrain_jax.stream import Placement, UpdateQueue, speculation
 from megatrain_jax.stream.placement import map_parts
 from megatrain_jax.train import StreamTrainer, train
 from megatrain_jax.train.reference import ReferenceTrainer
 
 EPS32 = 2.0**-24
+
+
+@pytest.fixture(autouse=True)
+def every_guess_runs(monkeypatch):
+    """The tests here count the guessed parts: every guess runs, none is dropped for being
+    late, so the count depends on the gradients alone (the dropping has its own test)."""
+    monkeypatch.setattr(speculation, "DROP_LATE_GUESSES", False)
 
 
 def _random_state(seed, shape=(64, 48)):
@@ -167,6 +174,40 @@ def test_the_policy_stops_guessing_when_every_step_clips():
     # and guesses on every step, the first too, once clipping is off
     _, _, _, records = _stream_run(_cfg("optim.clip_norm=0", "stream.speculate=auto"), 3)
     assert [s for s, _ in _guess_counts(records)] == [4, 4]
+
+
+def test_guesses_not_started_when_the_backward_ends_are_dropped_and_change_no_bit(monkeypatch):
+    """The worker held until the backward's end (a `before_write` that waits): every guess
+    of that step is still queued, so none runs, and each part is updated once, after the
+    backward, bit for bit as without guessing; a clipping step drops none."""
+    monkeypatch.setattr(speculation, "DROP_LATE_GUESSES", True)
+    runs = {}
+    for mode in ("on", "off"):
+        cfg = _cfg(f"stream.speculate={mode}", "optim.clip_norm=0")
+        data, trainer = TokenSource(cfg), StreamTrainer(cfg)
+        state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
+        for step in range(3):
+            release = threading.Event()
+            state, _ = trainer.train_step(state, data.batch_at(step), before_write=release.wait)
+            release.set()
+            state.wait()
+            if mode == "on":  # guesses were submitted, and all came too late
+                assert state.pending.speculate and state.pending.speculated == set()
+        runs[mode] = jax.tree.map(np.array, (state.params, state.opt_state))
+    for x, y in zip(*map(jax.tree.leaves, runs.values())):
+        np.testing.assert_array_equal(x, y)
+
+    # Step 0's norm is 1.08: with 0.8 the step clips after the head and layers 2 and 1 are
+    # guessed. Held, those guesses run late all the same, and are undone.
+    cfg = _cfg("stream.speculate=on", "optim.clip_norm=0.8")
+    data, trainer = TokenSource(cfg), StreamTrainer(cfg)
+    state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
+    release = threading.Event()
+    state, m = trainer.train_step(state, data.batch_at(0), before_write=release.wait)
+    release.set()
+    update = state.wait().pending
+    assert float(m["grad_norm"]) > 0.8
+    assert update.speculated == {"head", "layer 2", "layer 1"} and update.rolled_back == 3
 
 
 class _Watched:

@@ -6,6 +6,7 @@ import json
 import pytest
 from conftest import tiny
 
+from megatrain_jax.stream import speculation
 from megatrain_jax.tools.progress import Progress
 from megatrain_jax.tools.report import ReportError, report
 from megatrain_jax.train import train
@@ -21,7 +22,9 @@ def run_dir(tmp_path_factory):
     cfg = tiny("model.layers=3", "loop.steps=5", "loop.log_every=1", f"loop.run_dir={path}",
                "loop.timeline_step=2", "loop.progress=none", "stream.speculate=on",
                "optim.clip_norm=0")  # every part but the embedding updated during the backward
-    train(cfg)
+    with pytest.MonkeyPatch.context() as patch:  # every guess runs, none dropped as late
+        patch.setattr(speculation, "DROP_LATE_GUESSES", False)
+        train(cfg)
     return path
 
 

@@ -1,0 +1,122 @@
+"""Settings of the update during the backward compared in one process, in turns: each arm's
+steps meet the same host memory, whose bandwidth differs from one process to the next by up
+to a fifth on the lent machines, so a pair of separate runs cannot tell a few percent apart.
+
+    python benchmarks/ab_step.py 7b --arm off=off --arm auto=auto --arm half=auto:0.5 \\
+        --rounds 3 --steps 3 --warmup 4 [--repeat-batch] [key=value ...] [--out FILE]
+
+An arm is NAME=SPECULATE[:SHARE]: the engine's `stream.speculate` (off, auto, on) and
+`stream.speculate_share` (default 1). After `--warmup` steps, each round runs every arm for
+`--steps` steps, the arms' order rotating from round to round; the first step of each block
+is not timed (the update it waits for was the last arm's). Prints one JSON object: per arm
+the timed steps, their median and tokens/s, the parts guessed and undone; a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit  # noqa: E402
+
+from megatrain_jax.config import load_config  # noqa: E402
+from megatrain_jax.tools import plan  # noqa: E402  (no JAX yet: the pool is sized first)
+
+
+def parse_arm(text: str) -> tuple[str, str, float]:
+    name, _, setting = text.partition("=")
+    speculate, _, share = setting.partition(":")
+    try:
+        share = float(share or 1.0)
+    except ValueError:
+        share = -1.0
+    if not name or speculate not in ("off", "auto", "on") or not 0 < share <= 1:
+        raise SystemExit(f"--arm {text!r}: expected NAME=SPECULATE[:SHARE], e.g. half=auto:0.5")
+    return name, speculate, share
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--arm", action="append", type=parse_arm, required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps per arm and round")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--repeat-batch", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_intermixed_args()
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2: each block's first step is not timed")
+
+    cfg = load_config(args.config, args.overrides)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    plan.set_pool_env(cfg)
+
+    import jax
+    import numpy as np
+
+    from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.tools.machine import host_rss_bytes, peak_device_bytes
+    from megatrain_jax.train import StreamTrainer
+
+    trainer = StreamTrainer(cfg)
+    engine, data = trainer.engine, TokenSource(cfg)
+    if engine.host_optimizer is None:
+        raise SystemExit("the arms set the host update: use an optimizer with a host kernel")
+    state = trainer.init(jax.random.key(cfg.loop.seed))
+    arms = {name: {"speculate": s, "share": share, "step_s": [], "speculated": [],
+                   "rolled_back": []} for name, s, share in args.arm}
+    step = 0
+
+    def one_step(arm: dict | None) -> float:
+        nonlocal state, step
+        batch = data.batch_at(0 if args.repeat_batch else step)
+        t0 = time.perf_counter()
+        state, metrics = trainer.train_step(state, batch)
+        loss = float(np.asarray(metrics["loss"]))
+        seconds = time.perf_counter() - t0
+        step += 1
+        print(f"step {step} {arm and arm['name'] or 'warmup'}: {seconds:.3f} s, loss {loss:.4f}, "
+              f"guessed {metrics.get('speculated_parts')}", file=sys.stderr, flush=True)
+        return seconds, metrics
+
+    for _ in range(args.warmup):
+        one_step(None)
+    names = list(arms)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            arm = arms[name]
+            engine.speculate, engine.speculate_share = arm["speculate"], arm["share"]
+            for k in range(args.steps):
+                seconds, metrics = one_step({"name": name})
+                if k:
+                    arm["step_s"].append(seconds)
+                    # the parts guessed in the update that overlapped this step: this arm's
+                    arm["speculated"].append(int(metrics.get("speculated_parts", 0)))
+                    arm["rolled_back"].append(int(metrics.get("rolled_back_parts", 0)))
+    for arm in arms.values():
+        arm["median_step_s"] = statistics.median(arm["step_s"])
+        arm["tokens_per_s"] = cfg.data.tokens_per_step / arm["median_step_s"]
+    result = {"config": args.config, "overrides": args.overrides,
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "cores": os.cpu_count(), "tokens_per_step": cfg.data.tokens_per_step,
+              "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
+              "peak_host_rss_gib": host_rss_bytes() / 2**30, "arms": arms}
+    emit(result, args.out)
+    print(f"{'arm':10} {'speculate':9} {'share':>5} {'tok/s':>8} {'median s':>8}  steps; guessed")
+    for name, arm in arms.items():
+        steps = " ".join(f"{s:.2f}" for s in arm["step_s"])
+        print(f"{name:10} {arm['speculate']:9} {arm['share']:5.2f} {arm['tokens_per_s']:8,.0f} "
+              f"{arm['median_step_s']:8.3f}  {steps}; {arm['speculated']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -45,7 +45,8 @@ def side_by_side(cfg, steps: int):
         state, m = stream.train_step(state, batch)
         records.append({"ref_loss": float(rm["loss"]), "loss": float(m["loss"]),
                         "grad_norm": float(m["grad_norm"]), "ref_lr": float(rm["lr"]),
-                        "lr": float(m["lr"])})
+                        "lr": float(m["lr"]),
+                        "speculated": int(m.get("speculated_parts", 0))})
     return ref_state, state, stream, records
 
 

@@ -3,7 +3,8 @@
     python tests/mesh_runs.py DEVICES SCENARIO OUT.json [ARGS...]
 
 The device count must be fixed before JAX starts, so the tests run these as subprocesses:
-    compare DIR       20 steps on the mesh against the one-device reference, the state's
+    compare DIR       20 steps on the mesh (guessing every update, undone where a step
+                      clips; none dropped as late) against the one-device reference, the state's
                       shardings, then runs of the training loop in DIR (a straight one, and
                       one that stops at a checkpoint for other device counts to resume)
     resume DIR        the stopped run resumed on this process's devices
@@ -47,13 +48,15 @@ def compare(run_dir: str) -> dict:
     from conftest import max_rel_error, side_by_side, tiny
     from jax.sharding import NamedSharding
 
+    from megatrain_jax.stream import speculation
     from megatrain_jax.stream.mesh import state_spec
     from megatrain_jax.train import train
 
     out = {"devices": jax.device_count()}
-    for name, extra in (("host", []), ("device_resident", ["stream.update=device",
-                                                           "stream.resident_layers=1",
-                                                           "stream.saved_inputs=pinned_host"])):
+    speculation.DROP_LATE_GUESSES = False  # every guess runs: the test counts them
+    resident = ["stream.update=device", "stream.resident_layers=1",
+                "stream.saved_inputs=pinned_host"]
+    for name, extra in (("host", ["stream.speculate=on"]), ("device_resident", resident)):
         cfg = tiny(*COMPARED, "loop.steps=20", *extra)
         ref_state, state, stream, records = side_by_side(cfg, 20 if name == "host" else 6)
         ref_losses, stream_losses, norms = ([r[k] for r in records] for k in (
@@ -66,6 +69,7 @@ def compare(run_dir: str) -> dict:
                  for leaf in jax.tree.leaves(part)]
         out[name] = {
             "losses": stream_losses, "ref_losses": ref_losses, "norms": norms,
+            "speculated": [r["speculated"] for r in records],
             "params_rel": max_rel_error(state.params, ref_state.params),
             "mesh": placement.devices,
             "kinds": sorted({leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}),

@@ -125,8 +125,11 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
         assert part in out, part
     rates = roofline.Rates.from_result(RATES_7B)
     cfg = load_config("7b")
-    step_s = roofline.bound(cfg.model, rates, grad_bytes=roofline.gradient_bytes(cfg))["step_s"]
+    share, step_s = roofline.best_speculate_share(cfg, rates)  # stream.speculate=auto
     assert f"step bound at these settings: {step_s:.3f} s" in out
+    assert f"of which the update during the backward: {share:g} of it" in out and share > 0
+    assert step_s < roofline.bound(cfg.model, rates,
+                                   grad_bytes=roofline.gradient_bytes(cfg))["step_s"]
     # At these rates the layers' compute is the largest single cost, and the host memory's
     # bandwidth is not in the file.
     assert "the largest cost: compute" in out and "host memory unmeasured" in out
@@ -230,7 +233,7 @@ def test_the_update_moves_the_bytes_of_its_moments():
     """fp32 moments: 28 bytes per parameter through host memory; bf16 moments 20; int8
     about 16 (a byte and a share of a block's scale per moment, each way); bf16 gradients 2
     fewer. The forward's host-memory term carries them."""
-    cfg = load_config("7b", ["stream.grad_dtype=float32"])
+    cfg = load_config("7b", ["stream.grad_dtype=float32", "stream.speculate=off"])
     per_mode = {mode: roofline.update_bytes(memory.replaced(cfg, "optim", state_dtype=mode))
                 for mode in ("float32", "bfloat16", "int8")}
     assert per_mode == {"float32": 28, "bfloat16": 20,
@@ -248,49 +251,55 @@ def test_the_update_moves_the_bytes_of_its_moments():
 
 
 def test_a_speculated_update_moves_its_time_to_the_backward():
-    """With stream.speculate=on the update's bytes and time sit beside the backward; the
-    forward keeps the weight pass; layer 0's update follows the last gradient."""
+    """All of the update beside the backward: its bytes and time sit there; the forward
+    keeps the weight pass; layer 0's update follows the last gradient."""
     cfg = load_config("7b", ["stream.speculate=on", "stream.grad_dtype=float32"])
     p, layer = cfg.model.num_params, cfg.model.params_per_layer
     rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
                            layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
                            host_memory_gbps=100)
-    b = roofline.bound_for(cfg, rates)
+    b = roofline.bound(cfg.model, rates, grad_bytes=4, speculate=1.0)
     assert b["host_memory_forward_s"] == pytest.approx(4 * p / 100e9)
     assert b["host_memory_backward_s"] == pytest.approx((4 + 4 + 28) * p / 100e9)
     forward = max(b["compute_forward_s"], b["h2d_per_pass_s"], b["host_memory_forward_s"])
     backward = max(b["compute_backward_s"], b["d2h_s"], b["optimizer_s"],
                    b["host_memory_backward_s"])
     assert b["step_s"] == pytest.approx(forward + rates.head_s + backward + layer / 4e9)
-    # Off, or with the update on the device, the schedule is the usual one.
-    fp32_grads = load_config("7b", ["stream.grad_dtype=float32"])
-    usual = roofline.bound_for(fp32_grads, rates)
+    # Off, the schedule is the usual one; with the update on the device, guessing is too.
+    off = load_config("7b", ["stream.grad_dtype=float32", "stream.speculate=off"])
+    usual = roofline.bound_for(off, rates)
     assert usual["host_memory_forward_s"] == pytest.approx((28 + 4) * p / 100e9)
     serial = dataclasses.replace(rates, overlapped_update=False)
     assert roofline.bound_for(cfg, serial)["step_s"] == \
-        roofline.bound_for(fp32_grads, serial)["step_s"]
+        roofline.bound_for(off, serial)["step_s"]
 
 
-def test_a_speculated_share_splits_the_update_between_the_passes():
-    """stream.speculate_share=f: f of the update's bytes and time beside the backward, the
-    rest beside the forward; the best share fills the backward's spare host memory."""
+def test_a_guessing_step_takes_the_best_share_of_the_update_beside_the_backward():
+    """A share f of the update beside the backward: f of its bytes and time there, the rest
+    beside the forward. A step that guesses drops the guesses still queued when the
+    backward ends, so its bound is that of the best share (up to stream.speculate_share):
+    the one that fills the backward's spare host memory."""
     fp32_grads = ["stream.grad_dtype=float32"]
-    p = load_config("7b").model.num_params
+    cfg = load_config("7b", fp32_grads)  # stream.speculate=auto, the default
+    p = cfg.model.num_params
     rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
                            layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
                            host_memory_gbps=100)
-    b = roofline.bound_for(load_config("7b", ["stream.speculate=on", *fp32_grads,
-                                              "stream.speculate_share=0.25"]), rates)
-    assert b["host_memory_forward_s"] == pytest.approx((4 + 0.75 * 28) * p / 100e9)
-    assert b["host_memory_backward_s"] == pytest.approx((4 + 4 + 0.25 * 28) * p / 100e9)
-    share, seconds = roofline.best_speculate_share(load_config("7b", fp32_grads), rates)
+    quarter = roofline.bound(cfg.model, rates, grad_bytes=4, speculate=0.25)
+    assert quarter["host_memory_forward_s"] == pytest.approx((4 + 0.75 * 28) * p / 100e9)
+    assert quarter["host_memory_backward_s"] == pytest.approx((4 + 4 + 0.25 * 28) * p / 100e9)
+    share, seconds = roofline.best_speculate_share(cfg, rates)
     # The backward's 0.96 s of compute leave the host memory room for 0.96 * 100e9 / p bytes
     # a parameter, 8 of which the weights and gradients take: the share that fills it.
     room = (32 * 0.03 * 100e9 / p - 8) / 28
     assert share == pytest.approx(math.ceil(room * 20) / 20) and 0 < share < 1
-    assert seconds < min(roofline.bound_for(load_config("7b", [f"stream.speculate={m}",
-                                                               *fp32_grads]),
-                                            rates)["step_s"] for m in ("on", "off"))
+    assert roofline.bound_for(cfg, rates)["step_s"] == seconds
+    assert seconds < roofline.bound(cfg.model, rates, grad_bytes=4, speculate=1.0)["step_s"]
+    off = load_config("7b", [*fp32_grads, "stream.speculate=off"])
+    assert seconds < roofline.bound_for(off, rates)["step_s"]
+    capped = load_config("7b", [*fp32_grads, "stream.speculate_share=0.1"])
+    assert roofline.bound_for(capped, rates)["step_s"] == pytest.approx(
+        roofline.bound(cfg.model, rates, grad_bytes=4, speculate=0.1)["step_s"])
 
 
 def test_measured_host_memory_is_at_least_what_the_update_moved(small_samples):
@@ -412,13 +421,14 @@ def test_plan_extrapolates_a_measured_run_to_another_depth(capsys, tmp_path):
                  "--rates", str(rates_file)]) == 0
     out = capsys.readouterr().out
     rates = roofline.Rates.from_result(RATES_7B)
-    step_s = roofline.bound(load_config("120b").model, rates)["step_s"]
+    step_s = roofline.bound_for(load_config("120b"), rates)["step_s"]
     assert f"step bound at these settings: {step_s:.3f} s" in out
     assert f"expected step: {step_s * 1.25:.3f} s ({16384 / (step_s * 1.25):,.0f} tokens/s)" \
         in out and "(4 layers, 16,384 tokens per step, 2.000 s)" in out
     assert main(["plan", "120b", "data.batch_size=64", "--host-gb", "2000", "--gpu-gb", "140",
                  "--rates", str(rates_file)]) == 0
-    wide = roofline.bound(load_config("120b").model, roofline.scaled(rates, 4))["step_s"]
+    wide = roofline.bound_for(load_config("120b", ["data.batch_size=64"]),
+                              roofline.scaled(rates, 4))["step_s"]
     assert f"expected step: {wide * 1.25:.3f} s" in capsys.readouterr().out
     assert main(["plan", "7b", "--rates", str(rates_file)]) == 2
     assert "measured on a model of another width" in capsys.readouterr().err

@@ -138,9 +138,9 @@ class StreamConfig:
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
     resident_layers: int = 0  # the first K layers' weights and optimizer state stay on the GPU
     # Host update during the backward on the guess that the step will not clip (undone and
-    # redone when it does): off, auto (guess when the last step did not clip), on. Off by
-    # default: on the H200 box the host memory is as busy in the backward (docs/guide.md).
-    speculate: str = "off"
+    # redone when it does): off, auto (guess when the last step did not clip), on. A guess
+    # not started by the backward's end is dropped and done after it (docs/guide.md).
+    speculate: str = "auto"
     # The share of the host parameters, from the head down in the backward's order, whose
     # update a guessing step starts during the backward; the rest are updated after it,
     # beside the next forward. Below 1 splits the host memory's traffic between the two.

@@ -89,7 +89,7 @@ class StreamEngine:
                  clip_norm: float = 1.0, prefetch_depth: int = 2,
                  saved_inputs: str = "device", micro_batches: int = 1,
                  learning_rate: Callable | None = None, device: jax.Device | None = None,
-                 resident_layers: int = 0, speculate: str = "off", speculate_share: float = 1.0,
+                 resident_layers: int = 0, speculate: str = "auto", speculate_share: float = 1.0,
                  mesh: Mesh | None = None, keep_attention: int = 0):
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, got {speculate!r}")

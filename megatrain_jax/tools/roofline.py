@@ -75,8 +75,8 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     that the update reads there (`gradient_bytes(cfg)`: 2 for bf16 layer gradients).
     `update_bytes`: host memory bytes per parameter of the host update (`update_bytes(cfg)`;
     None: fp32 moments, HOST_UPDATE_BYTES with the gradients at `grad_bytes`).
-    `speculate`: the share of the update that runs beside the backward (stream.speculate=on
-    with stream.speculate_share, no step undone; True: all of it): that share's time and
+    `speculate`: the share of the update that runs beside the backward (a step whose guesses
+    stand, stream.speculate; True: all of it): that share's time and
     bytes move from the forward to the backward, and the next forward still waits for one
     part's update after the backward.
 
@@ -123,26 +123,39 @@ def streamed_params(model: ModelConfig, resident_layers: int = 0) -> int:
 
 def bound_for(cfg, rates: Rates) -> dict:
     """`bound` of the step `cfg` trains: its resident layers, gradients' and update's bytes,
-    and speculation where it is always on."""
-    return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
-                 grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
-                 speculate=cfg.stream.speculate_share if cfg.stream.speculate == "on" else 0)
+    and, where it guesses (stream.speculate on or auto), a step whose guesses stand. The
+    guesses not started by the backward's end are dropped and done after it, so such a step
+    takes the best share of the update beside the backward, up to stream.speculate_share."""
+    if cfg.stream.speculate == "off" or not can_guess(cfg):
+        return _bound_at(cfg, rates, 0.0)
+    return _bound_at(cfg, rates, best_speculate_share(cfg, rates)[0])
+
+
+def can_guess(cfg) -> bool:
+    """Whether cfg's update can run during the backward (with stream.speculate on or auto):
+    the host kernel with fp32 moments (a rounded moment cannot be undone)."""
+    from megatrain_jax.config.schema import HOST_OPTIMIZERS
+
+    return (cfg.optim.state_dtype == "float32" and cfg.stream.update != "device"
+            and cfg.optim.name in HOST_OPTIMIZERS)
 
 
 def best_speculate_share(cfg, rates: Rates) -> tuple[float, float]:
-    """(share, bound seconds): the smallest stream.speculate_share, in steps of 0.05, whose
-    bound (speculate=on, no step undone) is the shortest; 0 where guessing does not pay.
-    The bound is flat from where the backward's host memory is full to where the forward's
-    is no longer the limit: the smallest share guesses least, so undoes least."""
-    def step(share):
-        stream = dataclasses.replace(cfg.stream, speculate="on" if share else "off",
-                                     speculate_share=share or 1.0)
-        return bound_for(dataclasses.replace(cfg, stream=stream), rates)["step_s"]
-
-    bounds = [(k / 20, step(k / 20)) for k in range(21)]
+    """(share, bound seconds): the smallest share of the update beside the backward, in
+    steps of 0.05 up to stream.speculate_share, whose bound is the shortest (a step whose
+    guesses stand); 0 where guessing does not pay. The bound is flat from where the
+    backward's host memory is full to where the forward's is no longer the limit."""
+    bounds = [(k / 20, _bound_at(cfg, rates, k / 20)["step_s"]) for k in range(21)
+              if k / 20 <= cfg.stream.speculate_share + 1e-9]
     shortest = min(seconds for _, seconds in bounds)
     return next((share, seconds) for share, seconds in bounds
                 if seconds <= shortest * (1 + 1e-9))
+
+
+def _bound_at(cfg, rates: Rates, share: float) -> dict:
+    return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
+                 grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
+                 speculate=share)
 
 
 def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,

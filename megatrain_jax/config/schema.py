@@ -142,8 +142,8 @@ class StreamConfig:
     # not started by the backward's end is dropped and done after it (docs/guide.md).
     speculate: str = "auto"
     # The share of the host parameters, from the head down in the backward's order, whose
-    # update a guessing step starts during the backward; the rest are updated after it,
-    # beside the next forward. Below 1 splits the host memory's traffic between the two.
+    # update a guessing step may start during the backward; the rest are updated after it,
+    # beside the next forward. Below 1 caps the guesses: fewer to undo when a step clips.
     speculate_share: float = 1.0
     # Layer weight gradients D2H and on the host: auto (bfloat16 where they are bf16 values:
     # bf16 compute, one micro-batch, one device; else float32), float32, or bfloat16 (also

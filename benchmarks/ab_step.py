@@ -10,11 +10,13 @@ An arm is NAME=SPECULATE[:SHARE]: the engine's `stream.speculate` (off, auto, on
 `--steps` steps, the arms' order rotating from round to round; the first step of each block
 is not timed (the update it waits for was the last arm's). Prints one JSON object: per arm
 the timed steps, their median and tokens/s, the parts guessed and undone; a table last.
+`--out` is rewritten after every round, so a run cut short keeps its finished rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -53,8 +55,9 @@ def main() -> None:
     parser.add_argument("--repeat-batch", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_intermixed_args()
-    if args.steps < 2:
-        raise SystemExit("--steps must be >= 2: each block's first step is not timed")
+    if args.steps < 2 or args.rounds < 1:
+        raise SystemExit("--steps must be >= 2 (each block's first step is not timed) and "
+                         "--rounds >= 1")
 
     cfg = load_config(args.config, args.overrides)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -76,7 +79,7 @@ def main() -> None:
                    "rolled_back": []} for name, s, share in args.arm}
     step = 0
 
-    def one_step(arm: dict | None) -> float:
+    def one_step(arm: dict | None) -> tuple[float, dict]:
         nonlocal state, step
         batch = data.batch_at(0 if args.repeat_batch else step)
         t0 = time.perf_counter()
@@ -102,14 +105,16 @@ def main() -> None:
                     # the parts guessed in the update that overlapped this step: this arm's
                     arm["speculated"].append(int(metrics.get("speculated_parts", 0)))
                     arm["rolled_back"].append(int(metrics.get("rolled_back_parts", 0)))
-    for arm in arms.values():
-        arm["median_step_s"] = statistics.median(arm["step_s"])
-        arm["tokens_per_s"] = cfg.data.tokens_per_step / arm["median_step_s"]
-    result = {"config": args.config, "overrides": args.overrides,
-              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "cores": os.cpu_count(), "tokens_per_step": cfg.data.tokens_per_step,
-              "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
-              "peak_host_rss_gib": host_rss_bytes() / 2**30, "arms": arms}
+        for arm in arms.values():
+            arm["median_step_s"] = statistics.median(arm["step_s"])
+            arm["tokens_per_s"] = cfg.data.tokens_per_step / arm["median_step_s"]
+        result = {"config": args.config, "overrides": args.overrides,
+                  "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                  "cores": os.cpu_count(), "tokens_per_step": cfg.data.tokens_per_step,
+                  "rounds": r + 1, "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
+                  "peak_host_rss_gib": host_rss_bytes() / 2**30, "arms": arms}
+        if args.out and r + 1 < args.rounds:
+            args.out.write_text(json.dumps(result) + "\n")
     emit(result, args.out)
     print(f"{'arm':10} {'speculate':9} {'share':>5} {'tok/s':>8} {'median s':>8}  steps; guessed")
     for name, arm in arms.items():

@@ -275,9 +275,9 @@ def _loop(cfg: Config, trainer, state, start: int, skipped: int, data: TokenSour
             if record["mfu"] is not None:
                 shown["mfu"] = record["mfu"]
             if cfg.stream.speculate != "off" and "speculated_parts" in record:
-                # of the host update that overlapped this step: parts guessed / undone
-                shown["guessed"] = f"{record['speculated_parts']:.0f}/" \
-                                   f"{record['rolled_back_parts']:.0f} undone"
+                # of the host update that overlapped this step: parts guessed, and undone
+                shown["guessed"] = f"{record['speculated_parts']:.0f}"
+                shown["undone"] = f"{record['rolled_back_parts']:.0f}"
             bar.update(step + 1, shown)
             if log:
                 log(record)

@@ -53,3 +53,21 @@ def test_writable_view_writes_into_the_array_without_a_copy():
 def test_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="kernel must be"):
         HostAdamW(1e-3, kernel="cuda")
+
+
+def test_the_update_computes_its_scalars_on_the_host_cpu():
+    """The learning rate (and compact moments' bias corrections) are computed on the host's
+    CPU: on a GPU, the default device, they would queue behind the step's dispatched work."""
+    seen = []
+
+    def schedule(count):
+        seen.append(jax.config.jax_default_device)
+        return 1e-3 * jnp.ones(()) / (1 + count)
+
+    place = Placement()
+    params = {"w": jnp.ones((8, 4))}
+    for state_dtype in ("float32", "bfloat16"):
+        opt = HostAdamW(schedule, 0.9, 0.95, 1e-8, state_dtype=state_dtype)
+        p, s = place.to_host(params), place.to_host(opt.optax.init(params))
+        opt.update(p, place.to_host(params), s, 1.0)
+    assert seen and all(d is not None and d.platform == "cpu" for d in seen), seen

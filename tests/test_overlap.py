@@ -210,6 +210,22 @@ def test_guesses_not_started_when_the_backward_ends_are_dropped_and_change_no_bi
     assert update.speculated == {"head", "layer 2", "layer 1"} and update.rolled_back == 3
 
 
+def test_a_guess_reads_the_sum_of_squares_copied_to_the_host_beside_its_gradient(monkeypatch):
+    """The worker reads each part's sum of squares from host memory, where its copy follows
+    the gradient's: a device scalar would need a transfer of its own, queued behind every
+    copy issued since."""
+    seen, ready = [], speculation.StepUpdate.gradient_ready
+
+    def watched(self, part, params, grads, opt_state, part_sq):
+        seen.append(Placement().in_host_memory(part_sq))
+        return ready(self, part, params, grads, opt_state, part_sq)
+
+    monkeypatch.setattr(speculation.StepUpdate, "gradient_ready", watched)
+    _, _, _, records = _stream_run(_cfg("stream.speculate=on", "optim.clip_norm=0"), 2)
+    assert len(seen) == 2 * 4 and all(seen)  # the head and 3 layers, each step
+    assert int(records[-1]["speculated_parts"]) == 4
+
+
 class _Watched:
     """Wraps a HostAdamW: after each write, every array it wrote must be finite. Before each
     undo it notes, per leaf, the bound of optim/adamw_inverse.py on the undo's error."""

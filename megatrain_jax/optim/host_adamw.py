@@ -17,6 +17,7 @@ about 18x slower.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import time
@@ -56,6 +57,16 @@ def writable(array: jax.Array) -> np.ndarray:
     size = max(int(np.prod(array.shape)), 1)
     raw = (_CTYPES[dtype] * size).from_address(array.unsafe_buffer_pointer())
     return np.ctypeslib.as_array(raw).reshape(-1)
+
+
+def on_host_cpu():
+    """A context in which JAX computes on the host's CPU. The update's scalars (the learning
+    rate, the bias corrections) are computed there: on the default device, a GPU, each would
+    queue behind the step's dispatched compute and transfers, and the update with it."""
+    try:
+        return jax.default_device(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu): the default device
+        return contextlib.nullcontext()
 
 
 def shard_views(array: jax.Array) -> list[np.ndarray]:
@@ -203,7 +214,8 @@ class HostAdamW:
 
     def _lr(self, count: int) -> np.float32:
         if self._lr_cache is None or self._lr_cache[0] != count:
-            self._lr_cache = (count, np.float32(self.learning_rate(count)))
+            with on_host_cpu():
+                self._lr_cache = (count, np.float32(self.learning_rate(count)))
         return self._lr_cache[1]
 
     def _bias_corrections(self, count: int) -> tuple[np.float32, np.float32]:
@@ -214,9 +226,10 @@ class HostAdamW:
         if self._bc_cache is None or self._bc_cache[0] != count:
             f = np.float32
             if self.state_dtype != "float32":
-                n = jnp.int32(count)
-                values = tuple(f(1 / (1 - jnp.asarray(b, jnp.float32) ** n))
-                               for b in (self.b1, self.b2))
+                with on_host_cpu():
+                    n = jnp.int32(count)
+                    values = tuple(f(1 / (1 - jnp.asarray(b, jnp.float32) ** n))
+                                   for b in (self.b1, self.b2))
             else:
                 values = tuple(f(1) - f(b) ** f(count) for b in (self.b1, self.b2))
             self._bc_cache = (count, values)

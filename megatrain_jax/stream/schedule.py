@@ -41,7 +41,9 @@ class Schedule:
         (loss, gradients in the parts layout, squared global norm, skip, clip scale); host
         parts' gradients are on the host, resident parts' on the device. During the
         backward, on_gradient(k, host_gradient, its_sum_of_squares) is called for each host
-        part k but the embedding (the last) once its gradient's copy is issued."""
+        part k but the embedding (the last) once its gradient's copy is issued; the sum's
+        copy to the host follows it, so reading the sum waits for that part's transfers
+        only, not for the copies queued after them."""
         place, run, depth = self.placement, self.programs, self.depth
         weights, names = parts(params), part_names(len(params["layers"]))
         layers = len(weights) - 2
@@ -80,8 +82,8 @@ class Schedule:
         del xs
         grads = [None] * (layers + 2)
         grads[-1] = tracer.issued("d2h", "head grad", place.to_host(dhead))
-        if on_gradient is not None:
-            on_gradient(layers + 1, grads[-1], sq)  # sq is the head's alone so far
+        if on_gradient is not None:  # sq is the head's alone so far
+            on_gradient(layers + 1, grads[-1], place.to_host(sq))
 
         def fetch_back(i):  # layer i's weights and saved input on the device
             return tracer.issued("h2d", names[i + 1], place.to_device((weights[i + 1], saved[i])))
@@ -100,7 +102,7 @@ class Schedule:
                 grads[i + 1] = offloads.add(
                     tracer.issued("d2h", f"layer {i} grad", place.to_host(dw)))
                 if on_gradient is not None:
-                    on_gradient(i + 1, grads[i + 1], own_sq)
+                    on_gradient(i + 1, grads[i + 1], place.to_host(own_sq))
             del w, x_in, dw
         dembed, sq, skip, scale = run.embed_backward(embed, batch, dxs, dembed_head, sq)
         tracer.issued("compute", "embed backward", sq)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from megatrain_jax.optim.host_adamw import shard_views
 from megatrain_jax.stream.trace import Tracer
 from megatrain_jax.stream.updates import UpdateQueue
 
@@ -80,16 +81,18 @@ class StepUpdate:
     # ----- during the backward -------------------------------------------------------------
 
     def gradient_ready(self, part: str, params, grads, opt_state, part_sq) -> None:
-        """`grads` of `part` are on their way to the host and `part_sq` (a device scalar) is
-        their sum of squares: guess the part's update, unless the guess is already known
-        to be wrong."""
+        """`grads` of `part` are on their way to the host and `part_sq`, their sum of
+        squares, is on its way after them (a scalar in host memory): guess the part's update,
+        unless the guess is already known to be wrong."""
         if self.speculate:
             self.queue.submit(part, lambda: self._guess(part, params, grads, opt_state, part_sq))
 
     def _guess(self, part, params, grads, opt_state, part_sq) -> None:
         if self._stopped:
             return
-        sq = float(part_sq)  # waits for this part's backward, on the worker
+        # Waits for this part's copies, on the worker, and reads the sum where it landed: no
+        # transfer of its own to queue behind the copies issued since.
+        sq = float(shard_views(part_sq)[0][0])
         self._seen_sq += sq
         clipped = self.clip_norm > 0 and self._seen_sq > self.clip_norm ** 2
         if not math.isfinite(sq) or not math.isfinite(self._seen_sq) or clipped:

@@ -29,6 +29,7 @@ from megatrain_jax.config.schema import (
     RopeScaling,
     ScheduleConfig,
     StreamConfig,
+    host_update,
     validate,
 )
 
@@ -36,6 +37,6 @@ __all__ = [
     "CHOICES", "HOST_OPTIMIZERS", "MOMENT_BLOCK", "Config", "ConfigError", "DataConfig",
     "LoopConfig", "MeshConfig", "ModelConfig", "OptimConfig", "RopeScaling", "STATE_DTYPES",
     "ScheduleConfig", "StreamConfig",
-    "apply_overrides", "from_dict", "load_config", "load_run_config", "resolve_config_path",
-    "save_config", "shipped_configs", "to_dict", "validate",
+    "apply_overrides", "from_dict", "host_update", "load_config", "load_run_config",
+    "resolve_config_path", "save_config", "shipped_configs", "to_dict", "validate",
 ]

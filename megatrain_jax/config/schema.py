@@ -225,6 +225,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # Optimizers with an in-place host kernel (megatrain_jax.optim.host_adamw); the others update on
 # the device.
 HOST_OPTIMIZERS = ("adamw", "adam")
+
+
+def host_update(cfg: "Config") -> bool:
+    """Whether cfg's optimizer updates the host state in place on the host (stream.update host,
+    or auto with a host kernel) rather than through the GPU (stream/engine.py)."""
+    return cfg.stream.update != "device" and cfg.optim.name in HOST_OPTIMIZERS
+
 # How Adam's moments may be stored (megatrain_jax.optim.compact), and the values of a row that
 # share one scale in int8.
 STATE_DTYPES = CHOICES["optim.state_dtype"]

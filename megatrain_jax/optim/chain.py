@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from megatrain_jax.config import HOST_OPTIMIZERS, Config
+from megatrain_jax.config import Config, host_update
 from megatrain_jax.optim.compact import compact_adam
 
 
@@ -62,8 +62,8 @@ def build_stream_optimizer(cfg: Config):
     """
     from megatrain_jax.optim.host_adamw import HostAdamW
 
-    where, o = cfg.stream.update, cfg.optim  # validate() refused host without a kernel
-    if where == "device" or o.name not in HOST_OPTIMIZERS:
+    o = cfg.optim  # validate() refused stream.update=host without a kernel
+    if not host_update(cfg):
         return build_optimizer(cfg)
     wd = o.weight_decay if o.name == "adamw" else 0.0
     return HostAdamW(learning_rate(cfg), o.b1, o.b2, o.eps, weight_decay=wd, mask=decay_mask,

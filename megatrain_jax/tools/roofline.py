@@ -41,7 +41,7 @@ import math
 import statistics
 import time
 
-from megatrain_jax.config import ModelConfig
+from megatrain_jax.config import ModelConfig, host_update
 
 # Host memory bytes of the in-place AdamW per parameter: p, g, mu, nu read; p, mu, nu written.
 HOST_UPDATE_BYTES = 28
@@ -134,10 +134,7 @@ def bound_for(cfg, rates: Rates) -> dict:
 def can_guess(cfg) -> bool:
     """Whether cfg's update can run during the backward (with stream.speculate on or auto):
     the host kernel with fp32 moments (a rounded moment cannot be undone)."""
-    from megatrain_jax.config.schema import HOST_OPTIMIZERS
-
-    return (cfg.optim.state_dtype == "float32" and cfg.stream.update != "device"
-            and cfg.optim.name in HOST_OPTIMIZERS)
+    return host_update(cfg) and cfg.optim.state_dtype == "float32"
 
 
 def best_speculate_share(cfg, rates: Rates) -> tuple[float, float]:

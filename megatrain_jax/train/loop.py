@@ -26,9 +26,9 @@ import jax
 import numpy as np
 
 from megatrain_jax.config import (
-    HOST_OPTIMIZERS,
     Config,
     ConfigError,
+    host_update,
     load_run_config,
     save_config,
 )
@@ -154,8 +154,7 @@ def evaluate(trainer, state, val: TokenSource, batches: int) -> float:
 
 def write_timeline(path: Path, bars: list[dict], step: int, cfg: Config) -> None:
     """One step's bars (lane, name, start, end in seconds) for `megatrain-jax report`."""
-    update = "host" if cfg.optim.name in HOST_OPTIMIZERS and cfg.stream.update != "device" \
-        else "device"
+    update = "host" if host_update(cfg) else "device"
     doc = {"step": step, "layers": cfg.model.layers, "prefetch_depth": cfg.stream.prefetch_depth,
            "update": update, "bars": bars}
     path.write_text(json.dumps(doc) + "\n")

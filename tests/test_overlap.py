@@ -2,10 +2,12 @@
 
 import dataclasses
 import functools
+import gc
 import json
 import subprocess
 import sys
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +226,69 @@ def test_a_guess_reads_the_sum_of_squares_copied_to_the_host_beside_its_gradient
     _, _, _, records = _stream_run(_cfg("stream.speculate=on", "optim.clip_norm=0"), 2)
     assert len(seen) == 2 * 4 and all(seen)  # the head and 3 layers, each step
     assert int(records[-1]["speculated_parts"]) == 4
+
+
+class _Recording:
+    """A host optimizer that notes the parts it updates, by their params' "name" leaf."""
+
+    can_undo = True
+
+    def __init__(self):
+        self.updated = []
+
+    def update(self, params, grads, opt_state, scale):
+        self.updated.append(params["name"])
+
+
+def _held_guesses(sums, clip_norm):
+    """A StepUpdate given parts whose gradients' sums of squares are `sums` (in the backward's
+    order) while its worker is held: (the parts it updated, in order; those it guessed)."""
+    host, release, place = _Recording(), threading.Event(), Placement()
+    update = speculation.StepUpdate(host, clip_norm, speculate=True,
+                                    before_write=release.wait)
+    landed = [jax.block_until_ready(place.to_host(jnp.float32(sq))) for sq in sums]
+    for k, sq in enumerate(landed):
+        update.gradient_ready(f"part {k}", {"name": f"part {k}"}, None, None, sq)
+    release.set()
+    update.close()
+    update.wait()
+    return host.updated, update.speculated
+
+
+def test_the_worker_takes_the_newest_guess_first():
+    """Gradients handed over faster than the host updates them are taken newest first: what
+    the backward leaves undone is then not all among the first layers, which the next
+    forward needs first."""
+    updated, _ = _held_guesses([0.01] * 4, clip_norm=1.0)
+    assert updated == ["part 3", "part 2", "part 1", "part 0"]
+
+
+def test_the_parts_guessed_do_not_depend_on_the_order_they_are_taken_in():
+    """A part is guessed while the sum over it and every part before it in the backward stays
+    within the threshold (0.25 + 0.5 > 0.7 here): the parts of a step that clips are the same
+    however the worker's timing falls, and a non-finite sum stops every later guess."""
+    updated, guessed = _held_guesses([0.25, 0.2, 0.3, 0.1], clip_norm=0.7 ** 0.5)
+    assert guessed == {"part 0", "part 1"} and updated == ["part 1", "part 0"]
+    _, guessed = _held_guesses([0.1, float("nan"), 0.1], clip_norm=0.0)
+    assert guessed == {"part 0"}
+
+
+def test_a_guess_lets_its_gradients_go_once_taken():
+    """The step's update lives on as the next step's `pending`, while the next step's
+    gradients fill the pinned pool: it must hold none of its own by then."""
+    class Gradients:
+        pass
+
+    host, place, grads = _Recording(), Placement(), Gradients()
+    update = speculation.StepUpdate(host, 1.0, speculate=True)
+    update.gradient_ready("part 0", {"name": "part 0"}, grads,
+                          None, place.to_host(jnp.float32(0.1)))
+    update.close()
+    update.wait()
+    gone = weakref.ref(grads)
+    del grads
+    gc.collect()
+    assert host.updated == ["part 0"] and gone() is None
 
 
 class _Watched:

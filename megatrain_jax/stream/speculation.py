@@ -10,6 +10,14 @@ update start as soon as its gradient is on the host, while the backward goes on:
               norm >  clip: each guessed part is undone (adamw_inverse.py) and redone scaled
               not finite:   each guessed part is undone; the step is skipped
 
+The worker takes the newest guess first (of those whose gradients have landed): the backward
+hands over gradients faster than the host memory updates them, and newest first leaves the
+ones it cannot finish in time spread over the model, not all among the first layers, which
+the next forward needs first and would wait for one by one. Whether a part is guessed does not
+depend on that order: a part is guessed when the sum of squares of its gradients and of every
+part's before it in the backward stays within the clip threshold, so a step guesses the same
+parts however the worker's timing falls.
+
 When the guesses stand, one still waiting on the worker at the end of the backward is
 dropped, and its part is updated after the parts not guessed, in streaming order: the next
 forward's first parts do not queue behind the guesses of its last ones. The dropped guess
@@ -19,10 +27,10 @@ allow runs and is undone, the same ones in every run, so a resumed run repeats t
 roundings bit for bit.
 
 A part is never guessed when its own gradient is not finite, so no NaN or Inf reaches the
-state; nor once the norm of the gradients seen so far passes the clip threshold (the guess
-is then known wrong). All of it runs on the update queue's worker in submission order, so a
-part's settling always follows its guess, and the next step's forward waits for a part only
-when it fetches it. `policy` decides per step whether to guess at all.
+state; nor once that sum passes the clip threshold (the guess is then known wrong). All of it
+runs on the update queue's worker, every guess before any settling (submitted after the
+backward), so a part's settling always follows its guess, and the next step's forward waits
+for a part only when it fetches it. `policy` decides per step whether to guess at all.
 
     update = StepUpdate(host_optimizer, clip_norm, speculate=True, tracer=tracer)
     update.gradient_ready("layer 7", p, g, s, part_sq)    # during the backward
@@ -33,6 +41,7 @@ when it fetches it. `policy` decides per step whether to guess at all.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable
 
 from megatrain_jax.optim.host_adamw import shard_views
@@ -73,8 +82,13 @@ class StepUpdate:
         # Worker-side record of the guesses (read once the queue is done).
         self.speculated: set[str] = set()
         self.rolled_back = 0
-        self._seen_sq = 0.0
-        self._stopped = False  # by the worker: a guess is known wrong; by settle: too late
+        # The parts handed over, in the backward's order; those not yet taken; their sums.
+        self._arrived: list[tuple] = []
+        self._untaken: list[int] = []
+        self._sums: list[float] = []
+        self._wrong_from = math.inf  # the first part whose guess is known wrong, by index
+        self._lock = threading.Lock()
+        self._stopped = False  # by settle: the guesses not yet taken are too late
         if before_write is not None:  # a checkpoint reading the state finishes first
             self.queue.submit("checkpoint", before_write)
 
@@ -85,21 +99,41 @@ class StepUpdate:
         squares, is on its way after them (a scalar in host memory): guess the part's update,
         unless the guess is already known to be wrong."""
         if self.speculate:
-            self.queue.submit(part, lambda: self._guess(part, params, grads, opt_state, part_sq))
+            with self._lock:
+                self._arrived.append((part, params, grads, opt_state, part_sq))
+                self._untaken.append(len(self._arrived) - 1)
+            self.queue.submit("guess", self._guess_newest)
 
-    def _guess(self, part, params, grads, opt_state, part_sq) -> None:
-        if self._stopped:
-            return
-        # Waits for this part's copies, on the worker, and reads the sum where it landed: no
-        # transfer of its own to queue behind the copies issued since.
-        sq = float(shard_views(part_sq)[0][0])
-        self._seen_sq += sq
-        clipped = self.clip_norm > 0 and self._seen_sq > self.clip_norm ** 2
-        if not math.isfinite(sq) or not math.isfinite(self._seen_sq) or clipped:
-            self._stopped = True  # the step skips or clips: every later guess would be wrong
-            return
+    def _guess_newest(self) -> str:
+        """Takes the newest part whose sum has landed (else the newest) and guesses its
+        update if it may; returns the part's name, for the timeline."""
+        with self._lock:
+            landed = [i for i in self._untaken if self._arrived[i][4].is_ready()]
+            i = (landed or self._untaken)[-1]
+            self._untaken.remove(i)
+            part, params, grads, opt_state, part_sq = self._arrived[i]
+            # Only the sum is read again: the gradients must not outlive the step's update,
+            # the next step's need the pinned pool.
+            self._arrived[i] = (part, None, None, None, part_sq)
+        if self._stopped or not self._may_guess(i):
+            return f"{part}: not guessed"
         self.host.update(params, grads, opt_state, 1.0)
         self.speculated.add(part)
+        return part
+
+    def _may_guess(self, i: int) -> bool:
+        """Whether the sum of squares of the gradients of parts 0..i (in the backward's
+        order) is finite and within the clip threshold. Each sum is read where it landed,
+        beside its part's gradients: reading it waits for that part's copies only."""
+        if i >= self._wrong_from:
+            return False
+        while len(self._sums) <= i:
+            self._sums.append(float(shard_views(self._arrived[len(self._sums)][4])[0][0]))
+        seen = sum(self._sums[:i + 1])
+        if not math.isfinite(seen) or (self.clip_norm > 0 and seen > self.clip_norm ** 2):
+            self._wrong_from = i  # the step skips or clips: every later guess is wrong too
+            return False
+        return True
 
     # ----- after the backward --------------------------------------------------------------
 

@@ -10,8 +10,9 @@ has one completion event, keyed by its name.
     queue.wait()                # everything submitted so far written
 
 Submitting a part again (a redo after validation) clears its event until the new work is
-done. An error in the work stops the queue's later work and is raised by `wait` in the
-caller's thread.
+done. Work that returns a string names what it wrote, in the spans and the timeline, instead
+of the name it was submitted under. An error in the work stops the queue's later work and is
+raised by `wait` in the caller's thread.
 
 Every queue's work runs on one long-lived worker thread per process, in submission order
 across queues too (a step's update never overtakes the last one's). Every `TRIM_EVERY`
@@ -151,15 +152,17 @@ class UpdateQueue:
         start = time.perf_counter()
         if self.started is None:
             self.started = start
+        label = part
         try:
             if self.error is None:
-                work()
+                wrote = work()
+                label = wrote if isinstance(wrote, str) else part
         except BaseException as e:  # surfaced in the caller's thread by wait()
             self.error = e
         finally:
             self.finished = time.perf_counter()
-            self.spans.append((part, start, self.finished))
-            self.tracer.span("host update", part, start, self.finished)
+            self.spans.append((label, start, self.finished))
+            self.tracer.span("host update", label, start, self.finished)
             with self._lock:
                 self._pending[part] -= 1
                 if self._pending[part] == 0:

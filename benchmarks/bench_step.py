@@ -101,9 +101,13 @@ def run(cfg, trainer, state, args):
     )
 
     data = TokenSource(cfg)
+
+    def batch_at(step: int) -> dict:  # the one batch again and again with --repeat-batch
+        return data.batch_at(0 if args.repeat_batch else step)
+
     times, losses, norms, guesses = [], [], [], []
     for step in range(args.warmup + args.steps):
-        batch = data.batch_at(0 if args.repeat_batch else step)
+        batch = batch_at(step)
         t0 = time.perf_counter()
         state, metrics = trainer.train_step(state, batch)
         loss = float(np.asarray(metrics["loss"]))
@@ -124,7 +128,7 @@ def run(cfg, trainer, state, args):
         from megatrain_jax.stream import Timeline
 
         timeline = Timeline()
-        state, _ = trainer.train_step(state, data.batch_at(args.warmup + args.steps),
+        state, _ = trainer.train_step(state, batch_at(args.warmup + args.steps),
                                       tracer=timeline)
         state.wait()
         args.timeline.write_text(json.dumps({"layers": cfg.model.layers,
@@ -135,7 +139,7 @@ def run(cfg, trainer, state, args):
         state.wait()  # else the first synced forward would also wait for the last update
         for step in range(args.phases):
             timer = PhaseTimer()
-            state, metrics = trainer.train_step(state, data.batch_at(step), tracer=timer)
+            state, metrics = trainer.train_step(state, batch_at(step), tracer=timer)
             phases.append(dict(timer.seconds))
 
     timed = times[args.warmup:]

@@ -30,6 +30,7 @@ from megatrain_jax.config.schema import (
     ScheduleConfig,
     StreamConfig,
     host_update,
+    layer_grad_dtype,
     validate,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "CHOICES", "HOST_OPTIMIZERS", "MOMENT_BLOCK", "Config", "ConfigError", "DataConfig",
     "LoopConfig", "MeshConfig", "ModelConfig", "OptimConfig", "RopeScaling", "STATE_DTYPES",
     "ScheduleConfig", "StreamConfig",
-    "apply_overrides", "from_dict", "host_update", "load_config", "load_run_config",
-    "resolve_config_path", "save_config", "shipped_configs", "to_dict", "validate",
+    "apply_overrides", "from_dict", "host_update", "layer_grad_dtype", "load_config",
+    "load_run_config", "resolve_config_path", "save_config", "shipped_configs", "to_dict",
+    "validate",
 ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatrain_jax.config import auto
-from megatrain_jax.config.schema import MOMENT_BLOCK, Config
+from megatrain_jax.config.schema import MOMENT_BLOCK, Config, layer_grad_dtype
 
 GiB = 2**30
 # Host-held layer inputs on the GPU at once in the backward: the one in use and the next.
@@ -219,7 +219,7 @@ def describe(cfg: Config, gpu: int | None, devices: int = 1) -> list[str]:
                  f"up to {auto.XLA_MAX_SEQ:,} otherwise, blockwise beyond)")
     tile = acts["mlp_tile"]
     per, layers = acts["saved_per_layer"], m.layers
-    grads = auto.grad_dtype(cfg.stream.grad_dtype, m.compute_dtype, d.micro_batches, devices)
+    grads = layer_grad_dtype(cfg, devices)
     lines = [
         f"layer gradients to the host in {grads} (stream.grad_dtype={cfg.stream.grad_dtype})",
         f"activations ({d.batch_size // d.micro_batches} x {d.seq_len:,} tokens per "

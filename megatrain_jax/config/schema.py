@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatrain_jax.config.auto import MAX_POSITION
+from megatrain_jax.config.auto import MAX_POSITION, grad_dtype
 
 
 class ConfigError(ValueError):
@@ -231,6 +231,13 @@ def host_update(cfg: "Config") -> bool:
     """Whether cfg's optimizer updates the host state in place on the host (stream.update host,
     or auto with a host kernel) rather than through the GPU (stream/engine.py)."""
     return cfg.stream.update != "device" and cfg.optim.name in HOST_OPTIMIZERS
+
+
+def layer_grad_dtype(cfg: "Config", devices: int = 1) -> str:
+    """The dtype cfg's layer weight gradients travel to the host in over `devices` devices:
+    stream.grad_dtype resolved by config/auto.py's rule."""
+    return grad_dtype(cfg.stream.grad_dtype, cfg.model.compute_dtype, cfg.data.micro_batches,
+                      devices)
 
 # How Adam's moments may be stored (megatrain_jax.optim.compact), and the values of a row that
 # share one scale in int8.

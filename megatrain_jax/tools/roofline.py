@@ -41,7 +41,8 @@ import math
 import statistics
 import time
 
-from megatrain_jax.config import ModelConfig, host_update
+from megatrain_jax.config import ModelConfig, host_update, layer_grad_dtype
+from megatrain_jax.config.memory import optimizer_bytes
 
 # Host memory bytes of the in-place AdamW per parameter: p, g, mu, nu read; p, mu, nu written.
 HOST_UPDATE_BYTES = 28
@@ -167,11 +168,8 @@ def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
 def gradient_bytes(cfg, devices: int = 1) -> float:
     """Bytes per host-held parameter of a step's gradients: layers' in bf16 where the engine
     sends them so (stream.grad_dtype: config/auto.py), the rest fp32."""
-    from megatrain_jax.config import auto
-
     m, s = cfg.model, cfg.stream
-    if auto.grad_dtype(s.grad_dtype, m.compute_dtype, cfg.data.micro_batches,
-                       devices) != "bfloat16":
+    if layer_grad_dtype(cfg, devices) != "bfloat16":
         return 4.0
     streamed = streamed_params(m, s.resident_layers)
     layers = (m.layers - s.resident_layers) * m.params_per_layer
@@ -183,8 +181,6 @@ def update_bytes(cfg) -> float:
     written (8), the gradients read (`gradient_bytes`), both moments read and written as
     optim.state_dtype stores them (16 in fp32, 8 in bf16, about 4.06 in int8). Vectors keep
     fp32 moments in every form: a share too small to count."""
-    from megatrain_jax.config.memory import optimizer_bytes
-
     return 8 + gradient_bytes(cfg) + 2 * optimizer_bytes(cfg)
 
 

@@ -19,7 +19,7 @@ from functools import partial
 import jax
 
 from megatrain_jax import model, optim
-from megatrain_jax.config import Config, ConfigError, auto, memory
+from megatrain_jax.config import Config, ConfigError, layer_grad_dtype, memory
 from megatrain_jax.model import replay
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
 from megatrain_jax.stream.mesh import make_mesh
@@ -56,8 +56,7 @@ def llama_templates(config: Config, devices: int = 1) -> Templates:
     # With bf16 compute the layer casts every weight to bf16, so the gradients of its weights
     # are bf16 values: stream.grad_dtype (config/auto.py) says whether they travel in bf16.
     # Embedding and head gradients sum over tokens in fp32 and stay fp32.
-    halves = auto.grad_dtype(config.stream.grad_dtype, cfg.compute_dtype,
-                             config.data.micro_batches, devices) == "bfloat16"
+    halves = layer_grad_dtype(config, devices) == "bfloat16"
     return Templates(embed, layer, head_loss, tied=cfg.tie_embeddings,
                      layer_grad_dtype="bfloat16" if halves else None,
                      layer_keeping=layer_keeping, layer_replaying=layer_replaying)

@@ -160,11 +160,12 @@ def cmd_plan(args) -> int:
               f"({cfg.data.tokens_per_step / b['step_s']:,.0f} tokens/s; the largest cost: "
               f"{b['limited_by'].replace('_', ' ')})")
         share, guessing = roofline.best_speculate_share(cfg, rates)
-        if share and roofline.can_guess(cfg) and cfg.stream.speculate != "off":
-            print(f"of which the update during the backward: {share:g} of it, in steps that "
-                  "do not clip (stream.speculate)")
-        elif share and roofline.can_guess(cfg):
-            print(f"steps that do not clip, with stream.speculate=auto: {guessing:.3f} s")
+        if share and roofline.can_guess(cfg):
+            if cfg.stream.speculate != "off":
+                print(f"of which the update during the backward: {share:g} of it, in steps "
+                      "that do not clip (stream.speculate)")
+            else:
+                print(f"steps that do not clip, with stream.speculate=auto: {guessing:.3f} s")
         print(f"compute-bound from about {tokens:,} tokens per step "
               f"(now {cfg.data.tokens_per_step:,})")
         expected = planner.expected_step(b["step_s"], measured, cfg.data.tokens_per_step)

@@ -82,10 +82,13 @@ class StepUpdate:
         # Worker-side record of the guesses (read once the queue is done).
         self.speculated: set[str] = set()
         self.rolled_back = 0
-        # The parts handed over, in the backward's order; those not yet taken; their sums.
-        self._arrived: list[tuple] = []
-        self._untaken: list[int] = []
+        # Per part handed over, in the backward's order: its update's arguments until taken
+        # (the gradients must not outlive the step's update: the next step's need the pinned
+        # pool), its sum of squares in host memory, and that sum once read.
+        self._handed: list[tuple | None] = []
+        self._part_sqs: list = []
         self._sums: list[float] = []
+        self._untaken: list[int] = []
         self._wrong_from = math.inf  # the first part whose guess is known wrong, by index
         self._lock = threading.Lock()
         self._stopped = False  # by settle: the guesses not yet taken are too late
@@ -100,21 +103,20 @@ class StepUpdate:
         unless the guess is already known to be wrong."""
         if self.speculate:
             with self._lock:
-                self._arrived.append((part, params, grads, opt_state, part_sq))
-                self._untaken.append(len(self._arrived) - 1)
+                self._handed.append((part, params, grads, opt_state))
+                self._part_sqs.append(part_sq)
+                self._untaken.append(len(self._handed) - 1)
             self.queue.submit("guess", self._guess_newest)
 
     def _guess_newest(self) -> str:
         """Takes the newest part whose sum has landed (else the newest) and guesses its
         update if it may; returns the part's name, for the timeline."""
         with self._lock:
-            landed = [i for i in self._untaken if self._arrived[i][4].is_ready()]
+            landed = [i for i in self._untaken if self._part_sqs[i].is_ready()]
             i = (landed or self._untaken)[-1]
             self._untaken.remove(i)
-            part, params, grads, opt_state, part_sq = self._arrived[i]
-            # Only the sum is read again: the gradients must not outlive the step's update,
-            # the next step's need the pinned pool.
-            self._arrived[i] = (part, None, None, None, part_sq)
+            part, params, grads, opt_state = self._handed[i]
+            self._handed[i] = None
         if self._stopped or not self._may_guess(i):
             return f"{part}: not guessed"
         self.host.update(params, grads, opt_state, 1.0)
@@ -128,7 +130,7 @@ class StepUpdate:
         if i >= self._wrong_from:
             return False
         while len(self._sums) <= i:
-            self._sums.append(float(shard_views(self._arrived[len(self._sums)][4])[0][0]))
+            self._sums.append(float(shard_views(self._part_sqs[len(self._sums)])[0][0]))
         seen = sum(self._sums[:i + 1])
         if not math.isfinite(seen) or (self.clip_norm > 0 and seen > self.clip_norm ** 2):
             self._wrong_from = i  # the step skips or clips: every later guess is wrong too

@@ -263,6 +263,15 @@ def test_the_worker_takes_the_newest_guess_first():
     assert updated == ["part 3", "part 2", "part 1", "part 0"]
 
 
+def test_with_no_gradients_landed_the_worker_takes_the_oldest():
+    """The newest landed part first; when none has landed, the oldest, which lands first:
+    taking the newest would leave the worker idle while an older part could be updated."""
+    assert speculation.next_part([0, 1, 2, 3], [True, True, False, False]) == 1
+    assert speculation.next_part([2, 5, 7], [False, False, False]) == 2
+    assert speculation.next_part([4], [False]) == 4
+    assert speculation.next_part([1, 3], [False, True]) == 3
+
+
 def test_the_parts_guessed_do_not_depend_on_the_order_they_are_taken_in():
     """A part is guessed while the sum over it and every part before it in the backward stays
     within the threshold (0.25 + 0.5 > 0.7 here): the parts of a step that clips are the same

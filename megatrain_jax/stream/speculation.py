@@ -10,13 +10,14 @@ update start as soon as its gradient is on the host, while the backward goes on:
               norm >  clip: each guessed part is undone (adamw_inverse.py) and redone scaled
               not finite:   each guessed part is undone; the step is skipped
 
-The worker takes the newest guess first (of those whose gradients have landed): the backward
-hands over gradients faster than the host memory updates them, and newest first leaves the
-ones it cannot finish in time spread over the model, not all among the first layers, which
-the next forward needs first and would wait for one by one. Whether a part is guessed does not
-depend on that order: a part is guessed when the sum of squares of its gradients and of every
-part's before it in the backward stays within the clip threshold, so a step guesses the same
-parts however the worker's timing falls.
+The worker takes the newest guess first, of those whose gradients have landed (with none
+landed, the oldest, which lands first): the backward hands over gradients faster than the host
+memory updates them, and newest first leaves the ones it cannot finish in time spread over the
+model, not all among the first layers, which the next forward needs first and would wait for
+one by one. Whether a part is guessed does not depend on that order: a part is guessed when
+the sum of squares of its gradients and of every part's before it in the backward stays
+within the clip threshold, so a step guesses the same parts however the worker's timing
+falls.
 
 When the guesses stand, one still waiting on the worker at the end of the backward is
 dropped, and its part is updated after the parts not guessed, in streaming order: the next
@@ -71,6 +72,15 @@ def policy(mode: str, clip_norm: float, last_norm: float | None) -> bool:
     return last_norm is not None and last_norm <= clip_norm
 
 
+def next_part(untaken: list[int], landed: list[bool]) -> int:
+    """Of the parts handed over and not yet taken (in the backward's order) and whether each
+    one's gradients have landed: the newest that has landed, else the oldest, which lands
+    first (taking the newest would leave the worker waiting while an older part could be
+    updated)."""
+    ready = [i for i, here in zip(untaken, landed) if here]
+    return ready[-1] if ready else untaken[0]
+
+
 class StepUpdate:
     """The host update of one step: the update queue plus the guesses made on it."""
 
@@ -109,11 +119,10 @@ class StepUpdate:
             self.queue.submit("guess", self._guess_newest)
 
     def _guess_newest(self) -> str:
-        """Takes the newest part whose sum has landed (else the newest) and guesses its
-        update if it may; returns the part's name, for the timeline."""
+        """Takes a part (`next_part`) and guesses its update if it may; returns the part's
+        name, for the timeline."""
         with self._lock:
-            landed = [i for i in self._untaken if self._part_sqs[i].is_ready()]
-            i = (landed or self._untaken)[-1]
+            i = next_part(self._untaken, [self._part_sqs[i].is_ready() for i in self._untaken])
             self._untaken.remove(i)
             part, params, grads, opt_state = self._handed[i]
             self._handed[i] = None

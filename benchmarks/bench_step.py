@@ -5,7 +5,8 @@
 
 tokens/s is the median over the timed steps; each step is timed to the moment its loss is
 on the host. `--phases N` adds N steps that wait at the end of each phase (forward, backward,
-update) to split the time; they are reported apart and never mixed into tokens/s.
+update) to split the time; they update after the backward only (no guesses), and are
+reported apart and never mixed into tokens/s.
 The roofline inputs (H2D and D2H bandwidth, one layer's forward and backward, the head, the
 optimizer's rate, the host memory's bandwidth) are measured in the same process, after the
 timed steps, and the JSON carries the bound and the ratio achieved / bound
@@ -137,10 +138,14 @@ def run(cfg, trainer, state, args):
         from megatrain_jax.stream import PhaseTimer
 
         state.wait()  # else the first synced forward would also wait for the last update
+        # The whole update after the backward: a guess would move part of it into the
+        # backward, and the optimizer's rate taken from the rest would be too high.
+        speculate, engine.speculate = engine.speculate, "off"
         for step in range(args.phases):
             timer = PhaseTimer()
             state, metrics = trainer.train_step(state, batch_at(step), tracer=timer)
             phases.append(dict(timer.seconds))
+        engine.speculate = speculate
 
     timed = times[args.warmup:]
     step_s = statistics.median(timed)

@@ -309,35 +309,6 @@ def test_a_forward_nothing_paces_stays_within_depth_of_the_gpu(depth):
     assert "time_wait_compute_s" in metrics
 
 
-class Issued(Tracer):
-    """Records every transfer and compute the schedule issues, in order: (lane, name)."""
-
-    def __init__(self):
-        super().__init__()
-        self.log = []
-
-    def issued(self, lane, name, tree):
-        self.log.append((lane, name))
-        return tree
-
-
-def test_the_backwards_first_fetch_is_issued_before_the_head():
-    """Issued after the head's compute, the first backward layer's weights arrived only once
-    the head was done and that layer waited for them: the fetch goes out first. Every layer
-    still travels once per pass."""
-    cfg = tiny("model.layers=3")
-    trainer = StreamTrainer(cfg)
-    state = trainer.init(jax.random.key(0))
-    issued = Issued()
-    state, metrics = trainer.train_step(state, TokenSource(cfg).batch_at(0), tracer=issued)
-    float(metrics["loss"])
-    log = issued.log
-    head = log.index(("compute", "head"))
-    assert ("h2d", "layer 2") in log[log.index(("compute", "forward 2")) + 1:head]
-    assert [log.count(("h2d", f"layer {i}")) for i in range(3)] == [2, 2, 2]
-    assert log.index(("h2d", "layer 1"), head) > head  # the rest follow as before
-
-
 def test_host_update_overlaps_the_next_forward():
     """The next step's forward starts while the host still updates the last layers."""
     cfg = tiny("model.layers=6", "stream.update=host", "stream.prefetch_depth=1")

@@ -76,20 +76,8 @@ class Schedule:
                 xs = run.layer_forward(w, xs, batch)
             computing.add(tracer.issued("compute", f"forward {i}", xs))
             del w
-        head = next(stream)
-
-        def fetch_back(i):  # layer i's weights and saved input on the device
-            return tracer.issued("h2d", names[i + 1], place.to_device((weights[i + 1], saved[i])))
-
-        # The backward's first fetch is issued before the head's compute: issued after it, it
-        # ran only once the head was done, and the first backward layer waited for it (a 7b
-        # step's timeline, benchmarks/RESULTS.md, 2026-11-25). The later fetches overlap the
-        # backward's compute as in the forward.
-        order = range(layers - 1, -1, -1)
-        early = {i: fetch_back(i) for i in order[:1]}
-        loss, dxs, dhead, dembed_head, sq = run.head(head, embed, xs, batch, denom)
+        loss, dxs, dhead, dembed_head, sq = run.head(next(stream), embed, xs, batch, denom)
         tracer.issued("compute", "head", dxs)
-        del head
         tracer.phase_end("forward", lambda: dxs)
         del xs
         grads = [None] * (layers + 2)
@@ -97,10 +85,12 @@ class Schedule:
         if on_gradient is not None:  # sq is the head's alone so far
             on_gradient(layers + 1, grads[-1], place.to_host(sq))
 
+        def fetch_back(i):  # layer i's weights and saved input on the device
+            return tracer.issued("h2d", names[i + 1], place.to_device((weights[i + 1], saved[i])))
+
+        order = range(layers - 1, -1, -1)
         offloads = _InFlight(depth, tracer)
-        backward = _prefetched(order, lambda i: early.pop(i) if i in early else fetch_back(i),
-                               depth)
-        for i, (w, x_in) in zip(order, backward):
+        for i, (w, x_in) in zip(order, _prefetched(order, fetch_back, depth)):
             tracer.visit("backward", i)
             saved[i] = None  # the device copy in x_in is the last one
             dxs, dw, sq, own_sq = run.layer_backward(w, x_in, dxs, batch, sq, kept[i])

@@ -173,7 +173,8 @@ def run(cfg, trainer, state, args):
         best = at_optimizer_rate(
             Rates.from_result(roofline),
             max(roofline["optimizer_gparams"], roofline["optimizer_sample_gparams"]),
-            roofline["host_memory_kernel_gbps"], update_bytes(cfg))
+            max(roofline["host_memory_kernel_gbps"], roofline["host_memory_shared_gbps"]),
+            update_bytes(cfg))
         roofline["step_s_best_rate"] = bound_for(cfg, best)["step_s"]
         # The bound without the host memory's traffic, comparable with bounds that lack it.
         roofline["step_s_no_host_memory"] = bound_for(

@@ -145,7 +145,8 @@ def small_samples(monkeypatch):
 
     monkeypatch.setattr(plan, "OPTIMIZER_SAMPLE", 8 * 2**20)
     sized = host_adamw.memory_gbps
-    monkeypatch.setattr(host_adamw, "memory_gbps", lambda: sized(mfloats=32))
+    monkeypatch.setattr(host_adamw, "memory_gbps",
+                        lambda **kw: sized(**{"window_s": 0.1, **kw, "mfloats": 32}))
 
 
 def test_plan_measure_on_this_machine(capsys, small_samples):

@@ -31,7 +31,8 @@ update has just written). Where the host's memory is slow, this term is the step
 The optimizer's rate is the one input the link and the GPU do not set: measured on a sample
 (`measure`), or, better, as the median time of this model's own whole update timed alone
 (bench_step.py's synced phases). The host's memory bandwidth is measured by an in-place
-streaming kernel, and taken as at least what the update itself moved.
+streaming kernel beside a weight transfer, as the step shares it, and taken as at least the
+kernel's alone and what the update itself moved.
 """
 
 from __future__ import annotations
@@ -250,8 +251,10 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     `cfg.model`. The optimizer's rate is `optimizer_gparams` when given (this model's own
     update, timed by the caller), else that of an update of `plan.OPTIMIZER_SAMPLE`
     parameters; the sample's rate is reported either way (`optimizer_sample_gparams`). The
-    host memory's bandwidth is the larger of a streaming kernel's (`host_memory_kernel_gbps`)
-    and what the host update moved at the optimizer's rate.
+    host memory's bandwidth is the largest of a streaming kernel's alone
+    (`host_memory_kernel_gbps`), the same kernel's and a weight transfer's together
+    (`host_memory_shared_gbps`: the DMA adds to what the kernel draws), and what the host
+    update moved at the optimizer's rate.
     """
     import jax
     import jax.numpy as jnp
@@ -284,13 +287,15 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
 
     head_s = median_seconds(head_and_embed_backward)
     sample = _optimizer_rate(engine)
-    memory = host_adamw.memory_gbps()
+    alone = host_adamw.memory_gbps()
+    shared = host_adamw.memory_gbps(beside=(lambda: block(place.to_device(layers)), nbytes))
     rates = at_optimizer_rate(
         Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
               overlapped_update=engine.host_optimizer is not None),
-        optimizer_gparams or sample, memory, update_bytes(cfg))
+        optimizer_gparams or sample, max(alone, shared), update_bytes(cfg))
     return {**dataclasses.asdict(rates), **bound_for(cfg, rates),
-            "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": memory}
+            "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": alone,
+            "host_memory_shared_gbps": shared}
 
 
 def _optimizer_rate(engine) -> float:

@@ -9,7 +9,9 @@ An arm is NAME=SPECULATE[:SHARE]: the engine's `stream.speculate` (off, auto, on
 `stream.speculate_share` (default 1). After `--warmup` steps, each round runs every arm for
 `--steps` steps, the arms' order rotating from round to round; the first step of each block
 is not timed (the update it waits for was the last arm's). Prints one JSON object: per arm
-the timed steps, their median and tokens/s, the parts guessed and undone; a table last.
+the timed steps, their median and tokens/s, tokens/s over the timed steps whose own update
+guessed (`tokens_per_s_guessing`: a step after one that clipped does not), the parts guessed
+and undone; a table last.
 `--out` is rewritten after every round, so a run cut short keeps its finished rounds.
 """
 
@@ -75,8 +77,8 @@ def main() -> None:
     if engine.host_optimizer is None:
         raise SystemExit("the arms set the host update: use an optimizer with a host kernel")
     state = trainer.init(jax.random.key(cfg.loop.seed))
-    arms = {name: {"speculate": s, "share": share, "step_s": [], "speculated": [],
-                   "rolled_back": []} for name, s, share in args.arm}
+    arms = {name: {"speculate": s, "share": share, "step_s": [], "guessing": [],
+                   "speculated": [], "rolled_back": []} for name, s, share in args.arm}
     step = 0
 
     def one_step(arm: dict | None) -> tuple[float, dict]:
@@ -102,12 +104,16 @@ def main() -> None:
                 seconds, metrics = one_step({"name": name})
                 if k:
                     arm["step_s"].append(seconds)
+                    arm["guessing"].append(bool(metrics.get("guessing", 0.0)))  # its own
                     # the parts guessed in the update that overlapped this step: this arm's
                     arm["speculated"].append(int(metrics.get("speculated_parts", 0)))
                     arm["rolled_back"].append(int(metrics.get("rolled_back_parts", 0)))
         for arm in arms.values():
             arm["median_step_s"] = statistics.median(arm["step_s"])
             arm["tokens_per_s"] = cfg.data.tokens_per_step / arm["median_step_s"]
+            guessed = [t for t, g in zip(arm["step_s"], arm["guessing"]) if g]
+            arm["tokens_per_s_guessing"] = (cfg.data.tokens_per_step / statistics.median(guessed)
+                                            if guessed else None)
         result = {"config": args.config, "overrides": args.overrides,
                   "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                   "cores": os.cpu_count(), "tokens_per_step": cfg.data.tokens_per_step,
@@ -116,11 +122,15 @@ def main() -> None:
         if args.out and r + 1 < args.rounds:
             args.out.write_text(json.dumps(result) + "\n")
     emit(result, args.out)
-    print(f"{'arm':10} {'speculate':9} {'share':>5} {'tok/s':>8} {'median s':>8}  steps; guessed")
+    print(f"{'arm':10} {'speculate':9} {'share':>5} {'tok/s':>8} {'guessing':>8} {'median s':>8}"
+          "  steps (* guessed); parts guessed")
     for name, arm in arms.items():
-        steps = " ".join(f"{s:.2f}" for s in arm["step_s"])
+        steps = " ".join(f"{s:.2f}{'*' if g else ''}" for s, g in zip(arm["step_s"],
+                                                                       arm["guessing"]))
+        guessing = arm["tokens_per_s_guessing"]
         print(f"{name:10} {arm['speculate']:9} {arm['share']:5.2f} {arm['tokens_per_s']:8,.0f} "
-              f"{arm['median_step_s']:8.3f}  {steps}; {arm['speculated']}")
+              f"{f'{guessing:,.0f}' if guessing else '-':>8} {arm['median_step_s']:8.3f}  "
+              f"{steps}; {arm['speculated']}")
 
 
 if __name__ == "__main__":

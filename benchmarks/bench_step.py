@@ -3,10 +3,12 @@
     python benchmarks/bench_step.py 7b --steps 6 --warmup 2 [--repeat-batch] [key=value ...]
     python benchmarks/bench_step.py 7b --sweep 4,8,16,32,64     # batch sizes, one model
 
-tokens/s is the median over the timed steps; each step is timed to the moment its loss is
-on the host. `--phases N` adds N steps that wait at the end of each phase (forward, backward,
-update) to split the time; they update after the backward only (no guesses), and are
-reported apart and never mixed into tokens/s.
+tokens/s is the median over the timed steps; each step is timed to the moment its loss is on
+the host. `tokens_per_s_guessing` and `tokens_per_s_not_guessing` split the timed steps by
+whether their own update ran during their backward (`stream.speculate`; a step after one
+that clipped does not guess). `--phases N` adds N steps that wait at the end of each phase
+(forward, backward, update) to split the time; they update after the backward only (no
+guesses), and are reported apart and never mixed into tokens/s.
 The roofline inputs (H2D and D2H bandwidth, one layer's forward and backward, the head, the
 optimizer's rate, the host memory's bandwidth) are measured in the same process, after the
 timed steps, and the JSON carries the bound and the ratio achieved / bound
@@ -106,7 +108,7 @@ def run(cfg, trainer, state, args):
     def batch_at(step: int) -> dict:  # the one batch again and again with --repeat-batch
         return data.batch_at(0 if args.repeat_batch else step)
 
-    times, losses, norms, guesses = [], [], [], []
+    times, losses, norms, guesses, guessing = [], [], [], [], []
     for step in range(args.warmup + args.steps):
         batch = batch_at(step)
         t0 = time.perf_counter()
@@ -122,6 +124,7 @@ def run(cfg, trainer, state, args):
         norms.append(float(np.asarray(metrics["grad_norm"])))
         if "speculated_parts" in metrics:  # of the update that overlapped this step
             guesses.append((int(metrics["speculated_parts"]), int(metrics["rolled_back_parts"])))
+        guessing.append(bool(metrics.get("guessing", 0.0)))  # this step's own update
 
     phases = []
     engine = getattr(trainer, "engine", None)
@@ -150,6 +153,13 @@ def run(cfg, trainer, state, args):
     timed = times[args.warmup:]
     step_s = statistics.median(timed)
     tokens_per_s = cfg.data.tokens_per_step / step_s
+    # The timed steps split by whether their own update ran during the backward: a median
+    # over both mixes two regimes (the first steps after clipping ones do not guess).
+    by_guess = {flag: [t for t, g in zip(timed, guessing[args.warmup:]) if g == flag]
+                for flag in (True, False)}
+    regime_tokens_per_s = {
+        flag: cfg.data.tokens_per_step / statistics.median(ts) if ts else None
+        for flag, ts in by_guess.items()}
     p = cfg.model.num_params
     model_flops = 6 * p * tokens_per_s
     peak = peak_flops()
@@ -193,6 +203,8 @@ def run(cfg, trainer, state, args):
         "params": p, "tokens_per_step": cfg.data.tokens_per_step,
         "devices": engine.placement.devices if engine is not None else 1,
         "tokens_per_s": tokens_per_s, "median_step_s": step_s, "step_s": times,
+        "guessing": guessing, "tokens_per_s_guessing": regime_tokens_per_s[True],
+        "tokens_per_s_not_guessing": regime_tokens_per_s[False],
         "model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
         "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
         "peak_host_rss_gib": rss / 2**30, "host_bytes_per_param": rss / p,

@@ -173,9 +173,11 @@ def test_the_policy_stops_guessing_when_every_step_clips():
     _, _, norms, records = _stream_run(_cfg("optim.clip_norm=0.01", "stream.speculate=auto"), 5)
     assert all(n > 0.01 for n in norms)
     assert [s for s, _ in _guess_counts(records)] == [0] * 4
+    assert [m["guessing"] for m in records] == [0.0] * 5  # each step's own choice
     # and guesses on every step, the first too, once clipping is off
     _, _, _, records = _stream_run(_cfg("optim.clip_norm=0", "stream.speculate=auto"), 3)
     assert [s for s, _ in _guess_counts(records)] == [4, 4]
+    assert [m["guessing"] for m in records] == [1.0] * 3
 
 
 def test_guesses_not_started_when_the_backward_ends_are_dropped_and_change_no_bit(monkeypatch):

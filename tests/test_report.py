@@ -37,6 +37,7 @@ def test_metrics_have_every_field_every_step(run_dir):
     # from step 2 on, the host update of the step before overlapped this one
     assert all(r["time_update_s"] > 0 for r in records[1:])
     assert [r["speculated_parts"] for r in records[1:]] == [4] * 4  # 3 layers and the head
+    assert [r["guessing"] for r in records] == [1.0] * 5  # each step's own update guessed
     assert all(r["rolled_back_parts"] == 0 for r in records[1:])  # no clipping: all stand
 
 

@@ -199,6 +199,8 @@ class StreamEngine:
                                                              state.pending, tracer, on_gradient)
         state.wait()
         metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
+        if update is not None:  # whether this step's own update ran during its backward
+            metrics["guessing"] = float(update.speculate)
         if self.learning_rate is not None:
             metrics["lr"] = self.learning_rate(state.step)
         timings = {}

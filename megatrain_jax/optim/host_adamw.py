@@ -155,8 +155,8 @@ def memory_gbps(mfloats: int = 128, repeats: int = 3,
     pinned buffers to the device), run again and again on a thread while the kernel runs for
     at least `window_s`; the result is then both's bytes over the window, what the host
     memory gives the update and the link's DMA at once, as in a step. The kernel alone
-    cannot draw all of it on every machine (a 7b step's 36 bytes a parameter came to 129
-    GB/s where the kernel alone measured 115: benchmarks/RESULTS.md, 2026-11-25).
+    does not draw all of it (an H200 machine: 110.9 GB/s alone, 127.8 beside a copy of two
+    7b layers to the GPU; benchmarks/RESULTS.md, 2026-11-25).
     """
     try:
         import numba

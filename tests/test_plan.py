@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 
@@ -141,12 +142,29 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
 @pytest.fixture
 def small_samples(monkeypatch):
     """The rate measurement on smaller samples than a real machine's (the same code)."""
-    from megatrain_jax.optim import host_adamw
+    from megatrain_jax.tools import machine
 
     monkeypatch.setattr(plan, "OPTIMIZER_SAMPLE", 8 * 2**20)
-    sized = host_adamw.memory_gbps
-    monkeypatch.setattr(host_adamw, "memory_gbps",
+    sized = machine.memory_gbps
+    monkeypatch.setattr(machine, "memory_gbps",
                         lambda **kw: sized(**{"window_s": 0.1, **kw, "mfloats": 32}))
+
+
+def test_the_shared_bandwidth_counts_the_transfer_beside_the_kernel():
+    """memory_gbps(beside=(move, nbytes)) adds the bytes of every move that ended within the
+    kernel's window: here about twenty 1 GB "moves" in 0.2 s, far above the kernel alone."""
+    from megatrain_jax.tools import machine
+
+    alone = machine.memory_gbps(mfloats=8)
+    moves = []
+
+    def move():
+        time.sleep(0.01)
+        moves.append(1)
+
+    shared = machine.memory_gbps(mfloats=8, beside=(move, 10**9), window_s=0.2)
+    assert moves and alone > 0
+    assert shared > alone + 20
 
 
 def test_plan_measure_on_this_machine(capsys, small_samples):

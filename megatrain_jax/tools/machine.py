@@ -1,11 +1,15 @@
-"""What this machine offers and what the process uses: peak FLOP/s for MFU, GPU bytes (peak and
-now), host RSS (peak and now). Read after JAX has started."""
+"""What this machine offers and what the process uses: peak FLOP/s for MFU, the host memory's
+bandwidth, GPU bytes (peak and now), host RSS (peak and now). Read after JAX has started."""
 
 from __future__ import annotations
 
 import resource
+import threading
+import time
+from typing import Callable
 
 import jax
+import numpy as np
 
 # Dense bf16 peak by device kind, for MFU; unknown devices report no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12}
@@ -66,3 +70,63 @@ def memory_record() -> dict:
     return {"peak_device_bytes": stats.get("peak_bytes_in_use"),
             "device_bytes_now": stats.get("bytes_in_use"),
             "host_rss_bytes": host_rss_bytes(), "host_rss_now_bytes": host_rss_now_bytes()}
+
+
+def memory_gbps(mfloats: int = 128, repeats: int = 3,
+                beside: tuple[Callable[[], object], int] | None = None,
+                window_s: float = 0.5) -> float:
+    """The host memory's bandwidth in GB/s, from an in-place streaming kernel on all cores.
+
+    `a += 0.5 * b` over two arrays of `mfloats` M fp32 values (far past any cache) moves 12
+    bytes per element: a and b read, a written, like the update's own read-modify-write
+    traffic. Without numba, 0.0: a single-threaded NumPy loop would understate it.
+
+    `beside`, a pair (move, nbytes): move() carries nbytes through the host memory (a copy of
+    pinned buffers to the device), run again and again on a thread while the kernel runs for
+    at least `window_s`; the result is then both's bytes over the window, what the host
+    memory gives the update and the link's DMA at once, as in a step. The kernel alone
+    does not draw all of it (an H200 machine: 110.9 GB/s alone, 127.8 beside a copy of two
+    7b layers to the GPU; benchmarks/RESULTS.md, 2026-11-25).
+    """
+    try:
+        import numba
+    except ImportError:
+        return 0.0
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def scale_add(a, b):
+        for i in numba.prange(a.size):
+            a[i] = a[i] + np.float32(0.5) * b[i]
+
+    n = mfloats * 2**20
+    a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+    scale_add(a, b)  # compiled, pages touched
+    if beside is None:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            scale_add(a, b)
+            best = min(best, time.perf_counter() - start)
+        return 12 * n / best / 1e9
+    move, nbytes = beside
+    stop, finished = threading.Event(), []
+
+    def stream():
+        while not stop.is_set():
+            move()
+            finished.append(time.perf_counter())
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    while not finished and thread.is_alive():  # the link busy before the window opens
+        time.sleep(0.001)
+    start, passes = time.perf_counter(), 0
+    while passes < repeats or time.perf_counter() - start < window_s:
+        scale_add(a, b)
+        passes += 1
+    end = time.perf_counter()
+    stop.set()
+    thread.join()
+    # Whole copies that ended in the window: about as many bytes as the link moved in it.
+    moved = nbytes * sum(1 for t in finished if start < t <= end)
+    return (12 * n * passes + moved) / (end - start) / 1e9

@@ -259,8 +259,7 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from megatrain_jax.optim import host_adamw
-    from megatrain_jax.tools import plan
+    from megatrain_jax.tools import machine, plan
 
     place, run, block = engine.placement, engine.programs, jax.block_until_ready
     params = state.params
@@ -287,8 +286,8 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
 
     head_s = median_seconds(head_and_embed_backward)
     sample = _optimizer_rate(engine)
-    alone = host_adamw.memory_gbps()
-    shared = host_adamw.memory_gbps(beside=(lambda: block(place.to_device(layers)), nbytes))
+    alone = machine.memory_gbps()
+    shared = machine.memory_gbps(beside=(lambda: block(place.to_device(layers)), nbytes))
     rates = at_optimizer_rate(
         Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
               overlapped_update=engine.host_optimizer is not None),

@@ -116,9 +116,9 @@ class StepUpdate:
                 self._handed.append((part, params, grads, opt_state))
                 self._part_sqs.append(part_sq)
                 self._untaken.append(len(self._handed) - 1)
-            self.queue.submit("guess", self._guess_newest)
+            self.queue.submit("guess", self._guess_next)
 
-    def _guess_newest(self) -> str:
+    def _guess_next(self) -> str:
         """Takes a part (`next_part`) and guesses its update if it may; returns the part's
         name, for the timeline."""
         with self._lock:

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit  # noqa: E402
+from common import emit, tokens_per_s  # noqa: E402
 
 from megatrain_jax.config import load_config  # noqa: E402
 from megatrain_jax.tools import plan  # noqa: E402  (no JAX yet: the pool is sized first)
@@ -110,10 +110,9 @@ def main() -> None:
                     arm["rolled_back"].append(int(metrics.get("rolled_back_parts", 0)))
         for arm in arms.values():
             arm["median_step_s"] = statistics.median(arm["step_s"])
-            arm["tokens_per_s"] = cfg.data.tokens_per_step / arm["median_step_s"]
-            guessed = [t for t, g in zip(arm["step_s"], arm["guessing"]) if g]
-            arm["tokens_per_s_guessing"] = (cfg.data.tokens_per_step / statistics.median(guessed)
-                                            if guessed else None)
+            arm["tokens_per_s"] = tokens_per_s(cfg.data.tokens_per_step, arm["step_s"])
+            arm["tokens_per_s_guessing"] = tokens_per_s(
+                cfg.data.tokens_per_step, [t for t, g in zip(arm["step_s"], arm["guessing"]) if g])
         result = {"config": args.config, "overrides": args.overrides,
                   "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                   "cores": os.cpu_count(), "tokens_per_step": cfg.data.tokens_per_step,

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit  # noqa: E402
+from common import tokens_per_s as steps_tokens_per_s  # noqa: E402
 
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
 from megatrain_jax.tools import plan  # noqa: E402  (no JAX yet: the pool is sized first)
@@ -150,16 +151,14 @@ def run(cfg, trainer, state, args):
             phases.append(dict(timer.seconds))
         engine.speculate = speculate
 
-    timed = times[args.warmup:]
+    timed, tokens = times[args.warmup:], cfg.data.tokens_per_step
     step_s = statistics.median(timed)
-    tokens_per_s = cfg.data.tokens_per_step / step_s
+    tokens_per_s = tokens / step_s
     # The timed steps split by whether their own update ran during the backward: a median
     # over both mixes two regimes (the first steps after clipping ones do not guess).
-    by_guess = {flag: [t for t, g in zip(timed, guessing[args.warmup:]) if g == flag]
-                for flag in (True, False)}
-    regime_tokens_per_s = {
-        flag: cfg.data.tokens_per_step / statistics.median(ts) if ts else None
-        for flag, ts in by_guess.items()}
+    flags = guessing[args.warmup:]
+    tokens_per_s_guessing = steps_tokens_per_s(tokens, [t for t, g in zip(timed, flags) if g])
+    tokens_per_s_not = steps_tokens_per_s(tokens, [t for t, g in zip(timed, flags) if not g])
     p = cfg.model.num_params
     model_flops = 6 * p * tokens_per_s
     peak = peak_flops()
@@ -203,8 +202,8 @@ def run(cfg, trainer, state, args):
         "params": p, "tokens_per_step": cfg.data.tokens_per_step,
         "devices": engine.placement.devices if engine is not None else 1,
         "tokens_per_s": tokens_per_s, "median_step_s": step_s, "step_s": times,
-        "guessing": guessing, "tokens_per_s_guessing": regime_tokens_per_s[True],
-        "tokens_per_s_not_guessing": regime_tokens_per_s[False],
+        "guessing": guessing, "tokens_per_s_guessing": tokens_per_s_guessing,
+        "tokens_per_s_not_guessing": tokens_per_s_not,
         "model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
         "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
         "peak_host_rss_gib": rss / 2**30, "host_bytes_per_param": rss / p,

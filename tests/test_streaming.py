@@ -61,10 +61,11 @@ def _as_parts(pure: dict) -> dict:
             "layers": [blocks[i] for i in sorted(blocks, key=int)]}
 
 
-def test_nnx_gradients_equal_flax_grad():
+@pytest.mark.parametrize("keep_layers", [0, 2])
+def test_nnx_gradients_equal_flax_grad(keep_layers):
     batch = _nnx_batch()
     step = streaming.from_nnx(*nnx_example.build(), nnx_example.summed_loss, optax.sgd(0.1),
-                              micro_batches=2)
+                              micro_batches=2, keep_layers=keep_layers)
     state = step.init_state()
     loss, grads, *_ = step.engine.forward_backward(state.params, batch)
     model = WholeModel(*nnx_example.build())

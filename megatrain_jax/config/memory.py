@@ -92,7 +92,7 @@ def saved_on_host(cfg: Config, gpu: int | None, devices: int = 1) -> int:
     GPUs of `gpu` bytes each: `auto` keeps as many on the GPU as its room allows."""
     s = cfg.stream.saved_inputs
     if s != "auto":
-        return cfg.model.layers if cfg.stream.saved_inputs == "pinned_host" else 0
+        return inputs_saved(cfg) if cfg.stream.saved_inputs == "pinned_host" else 0
     local, _, room = _without_inputs(cfg, devices, gpu)
     return saved_split(local, room)[1]
 
@@ -118,6 +118,7 @@ def _without_inputs(cfg: Config, n: int, gpu: int | None) -> tuple[Config, dict,
         "saved_inputs": 0,
         "workspace": activations(local)["working_set_total"],
         "resident_layers": int(state * s.resident_layers * layer) // n,
+        "kept_layers": s.keep_layers * saved_by_keeping(local),
     }
     room = None if gpu is None else gpu - sum(device.values()) - SPLIT_HEADROOM
     return local, device, room
@@ -131,6 +132,22 @@ def replaced(cfg: Config, section: str, **values) -> Config:
 
 def act_bytes(cfg: Config) -> int:
     return 2 if cfg.model.compute_dtype == "bfloat16" else 4
+
+
+def saved_by_keeping(cfg: Config) -> int:
+    """Bytes one layer of `stream.keep_layers` keeps on the GPU from its forward to its
+    backward (programs.SAVED_BY_SAVING_LAYERS): its fp32 weights and, in the compute dtype,
+    the whole batch's input and those outputs of its matmuls with the weights that the
+    backward reads (q, k, v, the attention's projection, the MLP's gate and up)."""
+    m = cfg.model
+    per_token = 2 * m.hidden + (m.heads + 2 * m.kv_heads) * m.dh + 2 * m.ffn
+    return cfg.data.tokens_per_step * per_token * act_bytes(cfg) + 4 * m.params_per_layer
+
+
+def inputs_saved(cfg: Config) -> int:
+    """How many layers save their input for the backward's recompute: all but the last
+    `stream.keep_layers`, which keep their matmuls' outputs instead."""
+    return cfg.model.layers - cfg.stream.keep_layers
 
 
 def saved_per_layer(cfg: Config) -> int:
@@ -187,7 +204,7 @@ def saved_split(cfg: Config, room: int | None) -> tuple[int, int]:
     As many on the GPU as fit; when some go to the host, room is kept for SAVED_IN_FLIGHT of
     them coming back for the backward.
     """
-    layers, per = cfg.model.layers, saved_per_layer(cfg)
+    layers, per = inputs_saved(cfg), saved_per_layer(cfg)
     if room is None or layers * per <= room:
         return layers, 0
     on_gpu = max(0, min(layers, (room - SAVED_IN_FLIGHT * per) // per))
@@ -197,7 +214,7 @@ def saved_split(cfg: Config, room: int | None) -> tuple[int, int]:
 def saved_bytes(cfg: Config, room: int | None = None) -> tuple[int, int]:
     """(GPU bytes, host bytes) of saved inputs under cfg's `stream.saved_inputs`; `auto`
     splits by `room` bytes left for them (see saved_split)."""
-    layers, per = cfg.model.layers, saved_per_layer(cfg)
+    layers, per = inputs_saved(cfg), saved_per_layer(cfg)
     if cfg.stream.saved_inputs == "device":
         return layers * per, 0
     if cfg.stream.saved_inputs == "pinned_host":
@@ -218,7 +235,7 @@ def describe(cfg: Config, gpu: int | None, devices: int = 1) -> list[str]:
         path += (f" (auto: cuDNN up to {auto.CUDNN_MAX_SEQ:,} tokens with bf16 on a GPU, XLA "
                  f"up to {auto.XLA_MAX_SEQ:,} otherwise, blockwise beyond)")
     tile = acts["mlp_tile"]
-    per, layers = acts["saved_per_layer"], m.layers
+    per, layers = acts["saved_per_layer"], inputs_saved(cfg)
     grads = layer_grad_dtype(cfg, devices)
     lines = [
         f"layer gradients to the host in {grads} (stream.grad_dtype={cfg.stream.grad_dtype})",

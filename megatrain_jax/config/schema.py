@@ -157,6 +157,11 @@ class StreamConfig:
     # saved inputs and one more working set, with the cuDNN or blockwise attention, on one
     # GPU).
     keep_attention: str = "auto"
+    # The last K layers' forward keeps its matmuls' outputs on the GPU for the backward, which
+    # then fetches no weights for them and recomputes only the cheap rest of the layer, for
+    # GPU memory (`plan` counts it). For steps the GPU's compute paces (long batches); one
+    # GPU (docs/guide.md).
+    keep_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -279,6 +284,8 @@ def validate(cfg: Config) -> Config:
         (0 <= s.resident_layers <= m.layers,
          f"stream.resident_layers ({s.resident_layers}) must be within [0, model.layers = "
          f"{m.layers}]"),
+        (0 <= s.keep_layers <= m.layers,
+         f"stream.keep_layers ({s.keep_layers}) must be within [0, model.layers = {m.layers}]"),
         (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),
         (s.mlp_tile >= 0 and s.attention_chunk >= 0,
          "stream.mlp_tile and stream.attention_chunk must be >= 0 (0: automatic)"),

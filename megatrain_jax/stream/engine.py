@@ -14,6 +14,8 @@ the state through the device, at the end of the step. The first `resident_layers
 live in GPU memory (placement.py) and are updated there by donation, beside the host update.
 The last `keep_attention` layers' forward keeps what their backward's recompute then takes
 instead of computing it again (Templates.layer_keeping: the attention's output, on the GPU).
+The last `keep_layers` layers' forward keeps its matmuls' outputs on the GPU: their backward
+fetches no weights and recomputes only the rest of the layer (programs.layer_saving).
 
     engine = StreamEngine(templates, optimizer, clip_norm=1.0)
     state = engine.init_state(init_embed, init_layer, init_head, num_layers)
@@ -90,7 +92,7 @@ class StreamEngine:
                  saved_inputs: str = "device", micro_batches: int = 1,
                  learning_rate: Callable | None = None, device: jax.Device | None = None,
                  resident_layers: int = 0, speculate: str = "auto", speculate_share: float = 1.0,
-                 mesh: Mesh | None = None, keep_attention: int = 0):
+                 mesh: Mesh | None = None, keep_attention: int = 0, keep_layers: int = 0):
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, got {speculate!r}")
         if not 0 < speculate_share <= 1:
@@ -102,6 +104,10 @@ class StreamEngine:
                              "layer_replaying; these have none: set keep_attention=0")
         if keep_attention and self.placement.mesh is not None:
             raise ValueError("keep_attention runs on one device; over a mesh set it to 0")
+        if keep_layers < 0:
+            raise ValueError(f"keep_layers must be >= 0, got {keep_layers}")
+        if keep_layers and self.placement.mesh is not None:
+            raise ValueError("keep_layers runs on one device; over a mesh set it to 0")
         if self.placement.mesh is not None:
             templates = shard_templates(templates, self.placement.mesh)
         self.templates = templates
@@ -115,7 +121,8 @@ class StreamEngine:
         self.micro_batches = micro_batches
         self.learning_rate = learning_rate
         self.programs = build_programs(templates, self.optimizer, clip_norm, self.placement)
-        self.schedule = Schedule(self.programs, self.placement, prefetch_depth, keep_attention)
+        self.schedule = Schedule(self.programs, self.placement, prefetch_depth, keep_attention,
+                                 keep_layers)
 
     # ----- state ---------------------------------------------------------------------------
 

@@ -61,10 +61,17 @@ class Programs:
     head_eval: Callable        # (head, embed, xs, batch, denom) -> loss
     layer_backward: Callable   # (layer, xs, dxs, batch, sq, kept=None) -> dxs_in, dlayer, sq,
                                # layer's sq (dxs donated)
+    layer_saving: Callable     # (layer, xs, batch) -> xs, saved (for layer_backward_saved)
+    layer_backward_saved: Callable  # (saved, dxs, sq) -> as layer_backward (dxs donated)
     embed_backward: Callable   # (embed, batch, dxs, dembed, sq) -> dembed, sq, skip, scale
     update_host: Callable      # (params, grads, opt_state, scale, skip) on host state, donated
     update_device: Callable    # the same on device-resident state, donated
 
+
+# What a saving layer's forward keeps for its backward (`layer_saving`): the outputs of its
+# matmuls with the weights; the rest (norms, rotations, activations, the attention itself) is
+# computed again from them in the backward, for a fraction of the layer's FLOPs.
+SAVED_BY_SAVING_LAYERS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 # Every value keeps the dtype the program gives it: XLA may not skip the rounding of a bf16
 # value on its way back to fp32 (its default allows that "excess precision"). The weight
@@ -132,9 +139,32 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
             return _add(dw_acc, dw), dx_in
 
         dw, dxs_in = jax.lax.scan(one, _zeros_like(params), (xs, dxs, batch, kept))
+        return layer_gradient(dw, dxs_in, sq, xs.shape[0])
+
+    def layer_saving(params, xs, batch):
+        """The layer's forward that keeps on the device what its backward needs
+        (SAVED_BY_SAVING_LAYERS), so that layer_backward_saved neither fetches the weights
+        nor recomputes the matmuls: (xs, saved)."""
+        layer = jax.checkpoint(t.layer, policy=SAVED_BY_SAVING_LAYERS)  # per micro-batch
+
+        def forward(w, xs_):
+            # The micro-batches run last to first, so that the backward, which takes them in
+            # the opposite order, sums their weight gradients first to last in fp32, as
+            # layer_backward's scan does: the same sums, bit for bit.
+            return _flipped(jax.lax.map(lambda args: layer(w, *args), _flipped((xs_, batch))))
+
+        return jax.vjp(forward, params, xs)
+
+    def layer_backward_saved(saved, dxs, sq):
+        dw, dxs_in = saved(dxs)
+        return layer_gradient(dw, dxs_in, sq, dxs.shape[0])
+
+    def layer_gradient(dw, dxs_in, sq, micro_batches: int):
+        """dL/dx_in, dL/dw split as state is (in the layer's gradient dtype where exact), the
+        running sum of squares and the layer's own."""
         dw = placement.constrain(dw)
         own = optim.sum_of_squares(dw)
-        if t.layer_grad_dtype is not None and xs.shape[0] == 1:  # exact: see Templates
+        if t.layer_grad_dtype is not None and micro_batches == 1:  # exact: see Templates
             dw = jax.tree.map(lambda g: g.astype(t.layer_grad_dtype), dw)
         return dxs_in, dw, sq + own, own
 
@@ -161,10 +191,17 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         head=jit(head),
         head_eval=jit(head_eval),
         layer_backward=jit(layer_backward, donate_argnums=2),
+        layer_saving=jit(layer_saving),
+        layer_backward_saved=jit(layer_backward_saved, donate_argnums=1),
         embed_backward=jit(embed_backward),
         update_host=placement.host_jit(update, donate_argnums=(0, 2)),
         update_device=placement.device_jit(update, donate_argnums=(0, 2)),
     )
+
+
+def _flipped(tree):
+    """Micro-batched arrays [M, ...] in the reverse order of their micro-batches."""
+    return jax.tree.map(lambda a: jnp.flip(a, 0), tree)
 
 
 def _add(a, b):

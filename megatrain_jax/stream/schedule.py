@@ -5,7 +5,9 @@
     backward  layer L-1 … 0: recompute from the saved input, VJP, gradient D2H at once
 
 The last `keep_attention` layers' forward keeps what their backward's recompute then takes
-instead of computing it again (their attention's output: programs.Templates).
+instead of computing it again (their attention's output: programs.Templates). The last
+`keep_layers` layers' forward keeps what their backward needs (programs.layer_saving): their
+backward fetches nothing and recomputes only the cheap part of the layer.
 
 Parts are indexed in streaming order (0 embed, 1..L layers, L+1 head) and named as
 `placement.part_names` names them. The loops only dispatch: programs compute, the placement
@@ -28,11 +30,12 @@ from megatrain_jax.stream.trace import Tracer
 
 class Schedule:
     def __init__(self, programs: Programs, placement: Placement, prefetch_depth: int = 2,
-                 keep_attention: int = 0):
+                 keep_attention: int = 0, keep_layers: int = 0):
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.programs, self.placement = programs, placement
         self.depth, self.keep_attention = prefetch_depth, keep_attention
+        self.keep_layers = keep_layers
 
     def forward_backward(self, params: dict, batch: dict, denom, pending, tracer: Tracer,
                          on_gradient: Callable | None = None):
@@ -64,16 +67,21 @@ class Schedule:
         xs = tracer.issued("compute", "embed", run.embed_forward(embed, batch))
         saved, kept, offloads = [], [None] * layers, _InFlight(depth, tracer)
         keeping = range(layers - min(self.keep_attention, layers), layers)
+        saving = range(layers - min(self.keep_layers, layers), layers)
         computing = _InFlight(depth, tracer, "compute")  # the weights fetched ahead of it
         stream = _prefetched(range(1, layers + 2), fetch, depth, written)
         for i, w in zip(range(layers), stream):
             tracer.visit("forward", i)
-            saved.append(offloads.add(tracer.issued("d2h", f"input {i}", place.to_host(xs)))
-                         if place.input_on_host(i) else xs)
-            if i in keeping:
-                xs, kept[i] = run.layer_keeping(w, xs, batch)
+            if i in saving:  # what its backward needs stays on the device: no input saved
+                saved.append(None)
+                xs, kept[i] = run.layer_saving(w, xs, batch)
             else:
-                xs = run.layer_forward(w, xs, batch)
+                saved.append(offloads.add(tracer.issued("d2h", f"input {i}", place.to_host(xs)))
+                             if place.input_on_host(i) else xs)
+                if i in keeping:
+                    xs, kept[i] = run.layer_keeping(w, xs, batch)
+                else:
+                    xs = run.layer_forward(w, xs, batch)
             computing.add(tracer.issued("compute", f"forward {i}", xs))
             del w
         loss, dxs, dhead, dembed_head, sq = run.head(next(stream), embed, xs, batch, denom)
@@ -85,7 +93,9 @@ class Schedule:
         if on_gradient is not None:  # sq is the head's alone so far
             on_gradient(layers + 1, grads[-1], place.to_host(sq))
 
-        def fetch_back(i):  # layer i's weights and saved input on the device
+        def fetch_back(i):  # layer i's weights and saved input on the device (none: saving)
+            if i in saving:
+                return None, None
             return tracer.issued("h2d", names[i + 1], place.to_device((weights[i + 1], saved[i])))
 
         order = range(layers - 1, -1, -1)
@@ -93,7 +103,10 @@ class Schedule:
         for i, (w, x_in) in zip(order, _prefetched(order, fetch_back, depth)):
             tracer.visit("backward", i)
             saved[i] = None  # the device copy in x_in is the last one
-            dxs, dw, sq, own_sq = run.layer_backward(w, x_in, dxs, batch, sq, kept[i])
+            if i in saving:
+                dxs, dw, sq, own_sq = run.layer_backward_saved(kept[i], dxs, sq)
+            else:
+                dxs, dw, sq, own_sq = run.layer_backward(w, x_in, dxs, batch, sq, kept[i])
             kept[i] = None
             tracer.issued("compute", f"backward {i}", sq)  # dxs is donated to the next call
             if place.is_resident(i + 1):

@@ -216,8 +216,8 @@ def check_fits(cfg: Config, host: int | None = None, gpu: int | None = None) -> 
     elif est["device_total"] > (gpu or est["device_total"]):
         message += (" No single change fits; what lowers the GPU's share: data.micro_batches, "
                     "saved inputs on pinned host (stream.saved_inputs), a lower "
-                    "stream.prefetch_depth, fewer stream.resident_layers, fewer tokens per "
-                    "step.")
+                    "stream.prefetch_depth, fewer stream.resident_layers or "
+                    "stream.keep_layers, fewer tokens per step.")
     raise ConfigError(message)
 
 
@@ -244,6 +244,9 @@ def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]
         candidates["model.attention=blockwise"] = replaced(cfg, "model", attention="blockwise")
     for other in ("auto", "off") if s.keep_attention == "on" else ():
         candidates[f"stream.keep_attention={other}"] = replaced(cfg, "stream", keep_attention=other)
+    keep = [k for k in range(s.keep_layers) if _fits(replaced(cfg, "stream", keep_layers=k),
+                                                      host, gpu)]  # the most saving layers
+    candidates.update({f"stream.keep_layers={keep[-1]}": None} if keep else {})
     for k in range(d.micro_batches + 1, d.batch_size + 1):
         if d.batch_size % k == 0 and _fits(replaced(cfg, "data", micro_batches=k), host, gpu):
             candidates[f"data.micro_batches={k}"] = None
@@ -303,11 +306,9 @@ def largest_fitting(cfg: Config, host: int | None, gpu: int | None):
     best = None
     for name, path in shipped_configs().items():
         shape = load_config(str(path)).model
-        candidate = dataclasses.replace(cfg, model=shape)
-        est = estimate(candidate, gpu)  # saved inputs split by the same GPU as the verdict
-        fits = (host is None or est["host_total"] <= host) and \
-            (gpu is None or est["device_total"] <= gpu)
-        if fits and (best is None or shape.num_params > best[1].model.num_params):
+        candidate = dataclasses.replace(cfg, model=shape)  # inputs split by the same GPU
+        if _fits(candidate, host, gpu) and (best is None or
+                                            shape.num_params > best[1].model.num_params):
             best = (name, candidate)
     return best
 

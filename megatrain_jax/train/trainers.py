@@ -74,7 +74,7 @@ class StreamTrainer:
             saved_inputs=saved_inputs(cfg, mesh), micro_batches=cfg.data.micro_batches,
             learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
             speculate=cfg.stream.speculate, speculate_share=cfg.stream.speculate_share,
-            mesh=mesh, keep_attention=keep_attention(cfg, mesh),
+            mesh=mesh, keep_attention=keep_attention(cfg, mesh), keep_layers=keep_layers(cfg, mesh),
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go
@@ -136,6 +136,14 @@ def keep_attention(cfg: Config, mesh) -> int:
     if not keeps or mesh is not None:
         return 0
     return memory.keep_attention_layers(cfg, device_memory_bytes())
+
+
+def keep_layers(cfg: Config, mesh) -> int:
+    """`stream.keep_layers` for the engine, refused with the fix over several GPUs."""
+    if cfg.stream.keep_layers and mesh is not None:
+        raise ConfigError(f"stream.keep_layers={cfg.stream.keep_layers} runs on one GPU; over "
+                          f"several (mesh.data) set stream.keep_layers=0")
+    return cfg.stream.keep_layers
 
 
 def device_memory_bytes() -> int | None:

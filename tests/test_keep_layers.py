@@ -1,0 +1,133 @@
+"""Saving layers (`stream.keep_layers`): the last layers' forward keeps its matmuls' outputs on
+the device, and their backward fetches no weights and recomputes only the rest (CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import max_rel_error, side_by_side, tiny
+
+from megatrain_jax import model, optim
+from megatrain_jax.config import ConfigError, load_config, memory
+from megatrain_jax.io.data import TokenSource
+from megatrain_jax.stream import StreamEngine
+from megatrain_jax.stream.trace import Tracer
+from megatrain_jax.train import trainers
+
+
+class _Transfers(Tracer):
+    """The names of the host-to-device copies a step issued."""
+
+    def __init__(self):
+        super().__init__()
+        self.h2d: list[str] = []
+
+    def issued(self, lane, name, tree):
+        if lane == "h2d":
+            self.h2d.append(name)
+        return super().issued(lane, name, tree)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_streamed_with_saving_layers_matches_reference_with_clipping(micro_batches):
+    cfg = tiny("model.layers=3", "data.batch_size=4", f"data.micro_batches={micro_batches}",
+               "optim.lr=1e-2", "optim.clip_norm=1.5", "stream.keep_layers=2")
+    ref_state, state, stream, records = side_by_side(cfg, 6)
+    assert stream.engine.schedule.keep_layers == 2
+    norms = [r["grad_norm"] for r in records]
+    assert any(n > 1.5 for n in norms) and any(n < 1.5 for n in norms), norms
+    np.testing.assert_allclose([r["loss"] for r in records],
+                               [r["ref_loss"] for r in records], rtol=1e-5)
+    assert max_rel_error(state.params, ref_state.params) <= 1e-5
+
+
+def _forward_backward(cfg, params, keep_layers: int):
+    engine = StreamEngine(trainers.llama_templates(cfg), optim.build_stream_optimizer(cfg),
+                          keep_layers=keep_layers)
+    state = engine.state_from_params(params)
+    tracer = _Transfers()
+    loss, grads, *_ = engine.forward_backward(state.params, TokenSource(cfg).batch_at(0),
+                                              tracer=tracer)
+    return float(loss), jax.tree.map(np.asarray, grads), tracer.h2d
+
+
+@pytest.mark.parametrize("dtype,micro_batches", [("float32", 2), ("bfloat16", 1)])
+def test_saving_layers_give_the_gradients_of_recomputing_and_fetch_no_weights_back(
+        dtype, micro_batches):
+    """Keeping or recomputing, the same loss and the same gradients, bit for bit here (the
+    backward's arithmetic is the same; XLA:CPU fuses it alike); the saving layers' weights
+    travel to the device once, in the forward."""
+    cfg = tiny("model.layers=3", "data.batch_size=2", f"model.compute_dtype={dtype}",
+               f"data.micro_batches={micro_batches}")
+    params = model.init(cfg.model, jax.random.key(0))
+    loss, grads, h2d = _forward_backward(cfg, params, 0)
+    assert [h2d.count(f"layer {i}") for i in range(3)] == [2, 2, 2]
+    for keep in (1, 3):
+        kept_loss, kept_grads, kept_h2d = _forward_backward(cfg, params, keep)
+        assert kept_loss == loss
+        assert max_rel_error(kept_grads, grads) == 0.0
+        assert [kept_h2d.count(f"layer {i}") for i in range(3)] == \
+            [1 if i >= 3 - keep else 2 for i in range(3)]
+
+
+def test_saving_layers_sum_the_micro_batches_gradients_in_the_recomputing_order():
+    """fp32 sums depend on their order: contributions 1e8, 1, -1e8, 1 make 1 summed first to
+    last and 0 last to first. A saving layer's backward must sum them as layer_backward
+    does, so that keeping changes no bit of the gradients."""
+    from megatrain_jax.stream import Placement
+    from megatrain_jax.stream.programs import Templates, build_programs
+
+    templates = Templates(embed=None, layer=lambda p, x, batch: x * p["w"], head_loss=None)
+    run = build_programs(templates, optim.build_stream_optimizer(tiny()).optax, 0.0,
+                         Placement())
+    params = {"w": jnp.ones((1,), jnp.float32)}
+    xs = jnp.array([[1e8], [1.0], [-1e8], [1.0]], jnp.float32)  # dL/dw of each micro-batch
+    batch = {"mask": jnp.ones((4, 1), jnp.float32)}
+    sq = jnp.zeros((), jnp.float32)
+    _, recomputed, *_ = run.layer_backward(params, xs, jnp.ones_like(xs), batch, sq)
+    _, saved = run.layer_saving(params, xs, batch)
+    _, kept, *_ = run.layer_backward_saved(saved, jnp.ones_like(xs), sq)
+    assert float(recomputed["w"][0]) == 1.0
+    assert float(kept["w"][0]) == 1.0
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.compute_dtype=bfloat16",
+                                             "data.micro_batches=2"], ["model.qkv_bias=true"]])
+def test_saved_bytes_as_planned(overrides):
+    """memory.saved_by_keeping against what the saving forward returns for its backward
+    (within the few bytes of the batch's own index arrays)."""
+    cfg = tiny("stream.keep_layers=1", *overrides)
+    engine = trainers.StreamTrainer(cfg).engine
+    layer = jax.eval_shape(lambda: model.init_layer(cfg.model, jax.random.key(0)))
+    d = cfg.data
+    m = d.micro_batches
+    xs = jax.ShapeDtypeStruct((m, d.batch_size // m, d.seq_len, cfg.model.hidden),
+                              jnp.dtype(cfg.model.compute_dtype))
+    batch, _ = engine.device_batch(TokenSource(cfg).batch_at(0))
+    _, saved = jax.eval_shape(engine.programs.layer_saving, layer, xs, batch)
+    kept = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(saved))
+    planned = memory.saved_by_keeping(cfg)
+    assert planned <= kept <= planned + 4 * d.batch_size * d.seq_len
+
+
+def test_saving_layers_take_the_place_of_saved_inputs_in_the_plan():
+    cfg = load_config("7b", ["data.batch_size=64", "data.micro_batches=4"])
+    kept = memory.replaced(cfg, "stream", keep_layers=12)
+    gpu = 141 * 10**9
+    base, _ = memory.step_bytes(cfg, 1, gpu)
+    with_kept, _ = memory.step_bytes(kept, 1, gpu)
+    assert base["kept_layers"] == 0
+    assert with_kept["kept_layers"] == 12 * memory.saved_by_keeping(kept)
+    assert with_kept["saved_inputs"] == 20 * memory.saved_per_layer(cfg)
+    assert base["saved_inputs"] == 32 * memory.saved_per_layer(cfg)
+
+
+def test_keep_layers_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"stream.keep_layers \(5\) must be within \[0, "
+                                          r"model.layers = 2\]"):
+        tiny("stream.keep_layers=5")
+    with pytest.raises(ConfigError, match="set stream.keep_layers=0"):
+        trainers.keep_layers(tiny("stream.keep_layers=1"), mesh=object())
+    with pytest.raises(ValueError, match="keep_layers must be >= 0"):
+        StreamEngine(trainers.llama_templates(tiny()), optim.build_stream_optimizer(tiny()),
+                     keep_layers=-1)

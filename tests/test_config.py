@@ -69,7 +69,7 @@ def test_every_shipped_config_parses(name):
 
 
 def test_shipped_shapes_match_published_sizes():
-    sizes = {"3b": 3.14e9, "7b": 6.74e9, "14b": 13.0e9, "llama3-8b": 8.03e9,
+    sizes = {"3b": 3.14e9, "7b": 6.74e9, "14b": 13.0e9, "30b": 32.5e9, "llama3-8b": 8.03e9,
              "mistral-7b": 7.25e9, "qwen2.5-7b": 7.62e9, "llama3-70b": 70.55e9}
     for name, n in sizes.items():
         assert abs(load_config(name).model.num_params - n) / n < 0.005, name

@@ -126,3 +126,16 @@ def test_keep_layers_refused_with_the_fix():
     with pytest.raises(ValueError, match="keep_layers must be >= 0"):
         StreamEngine(trainers.llama_templates(tiny()), optim.build_stream_optimizer(tiny()),
                      keep_layers=-1)
+
+
+def test_plan_names_the_most_saving_layers_that_fit():
+    from megatrain_jax.tools import plan
+
+    cfg = load_config("7b", ["data.batch_size=64", "data.micro_batches=4",
+                             "stream.keep_layers=30"])
+    host, gpu = 125 * 2**30, 133 * 2**30
+    fits = [k for k in range(31)
+            if plan._fits(memory.replaced(cfg, "stream", keep_layers=k), host, gpu)]
+    assert 0 < max(fits) < 30
+    with pytest.raises(ConfigError, match=rf"stream.keep_layers={max(fits)}\b"):
+        plan.check_fits(cfg, host, gpu)

@@ -244,9 +244,9 @@ def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]
         candidates["model.attention=blockwise"] = replaced(cfg, "model", attention="blockwise")
     for other in ("auto", "off") if s.keep_attention == "on" else ():
         candidates[f"stream.keep_attention={other}"] = replaced(cfg, "stream", keep_attention=other)
-    keep = [k for k in range(s.keep_layers) if _fits(replaced(cfg, "stream", keep_layers=k),
-                                                      host, gpu)]  # the most saving layers
-    candidates.update({f"stream.keep_layers={keep[-1]}": None} if keep else {})
+    keep = next((k for k in range(s.keep_layers - 1, -1, -1)  # the most saving layers
+                 if _fits(replaced(cfg, "stream", keep_layers=k), host, gpu)), None)
+    candidates.update({f"stream.keep_layers={keep}": None} if keep is not None else {})
     for k in range(d.micro_batches + 1, d.batch_size + 1):
         if d.batch_size % k == 0 and _fits(replaced(cfg, "data", micro_batches=k), host, gpu):
             candidates[f"data.micro_batches={k}"] = None

@@ -103,8 +103,9 @@ def cmd_plan(args) -> int:
             print(f"  {name:22s}{_gib(n)}")
         print(f"  {'total':22s}{_gib(est[where + '_total'])}")
     if cfg.loop.trainer == "stream":
+        cap = planner.pool_limit_gib(cfg, planner.pinned_bytes(cfg))
         print(f"  pinned host pool      {_gib(planner.pinned_pool_bytes(cfg))}  (holds the host "
-              "state above; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, set by `train`)")
+              f"state above; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={cap} a GPU, set by `train`)")
         modes = planner.host_bytes_per_param(cfg, gpu)
         if len(modes) > 1:
             print("host bytes per parameter by optim.state_dtype (with these gradients and "

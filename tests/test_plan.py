@@ -451,3 +451,28 @@ def test_plan_extrapolates_a_measured_run_to_another_depth(capsys, tmp_path):
     assert f"expected step: {wide * 1.25:.3f} s" in capsys.readouterr().out
     assert main(["plan", "7b", "--rates", str(rates_file)]) == 2
     assert "measured on a model of another width" in capsys.readouterr().err
+
+
+def test_the_gpus_counted_are_those_cuda_visible_devices_leaves(monkeypatch):
+    """A run on some of a machine's GPUs is planned for those (one GPU: bf16 gradients and
+    its pool), not for every GPU nvidia-smi lists."""
+    for visible, count in (("0", 1), ("0,1,2,3", 4), ("2,3", 2), ("", 1)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        plan.gpu_count.cache_clear()
+        assert plan.gpu_count() == count
+    plan.gpu_count.cache_clear()
+
+
+def test_each_gpu_of_a_mesh_gets_a_pool_for_its_share_of_the_state():
+    """XLA gives each GPU a pinned pool of its own under one cap: a mesh over which the width
+    splits caps each at a 1/n share and the margin; one that does not, at the whole."""
+    one = load_config("7b", ["mesh.data=1"])
+    four = load_config("7b", ["mesh.data=4", "data.batch_size=64"])
+    pinned = plan.pinned_bytes(four)
+    assert plan.pool_limit_gib(four, pinned) == (pinned // 4 + plan.POOL_MARGIN) // GiB + 1
+    assert plan.pool_limit_gib(four, pinned) < plan.pool_limit_gib(one, plan.pinned_bytes(one)) / 3
+    assert plan.pinned_pool_bytes(four) == 4 * (pinned // 4 + plan.POOL_MARGIN)
+    host = plan.estimate(four)["host"]
+    assert host["pool_margin"] == 4 * plan.pool_limit_gib(four, pinned) * GiB - pinned
+    three = load_config("7b", ["mesh.data=3", "data.batch_size=48"])  # 4096 % 3: kept whole
+    assert plan.pool_limit_gib(three, pinned) == (pinned + plan.POOL_MARGIN) // GiB + 1

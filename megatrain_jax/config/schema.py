@@ -134,7 +134,7 @@ class StreamConfig:
     # GPU as far as its memory allows, the first layers' on pinned host beyond that).
     saved_inputs: str = "auto"
     loss_chunk: int = 1024  # tokens of the sequence per cross-entropy chunk
-    host_memory_gb: float = 0.0  # pinned pool; 0: sized from the model
+    host_memory_gb: float = 0.0  # each GPU's pinned pool; 0: sized from the model
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
     resident_layers: int = 0  # the first K layers' weights and optimizer state stay on the GPU
     # Host update during the backward on the guess that the step will not clip (undone and

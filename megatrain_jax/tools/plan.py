@@ -12,9 +12,7 @@ memory is read from nvidia-smi, so that JAX need not start to know it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import subprocess
 
 from megatrain_jax.config import (
     CHOICES,
@@ -29,6 +27,7 @@ from megatrain_jax.config import (
 )
 from megatrain_jax.config.memory import optimizer_bytes, replaced
 from megatrain_jax.io import array_files, checkpoint
+from megatrain_jax.tools.probe import gpu_count, gpu_memory_bytes, host_memory_available
 from megatrain_jax.tools.roofline import gradient_bytes  # plain arithmetic, no JAX
 
 GiB = 2**30
@@ -63,7 +62,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     # Beyond the pinned state: the pool's unfilled margin (the pool is resident once the
     # state fills most of it), its allocator's bookkeeping, and the runtimes.
     pinned = sum(host[name] for name in PINNED)
-    pool = pool_limit_gib(cfg, pinned) * GiB
+    pool = n * pool_limit_gib(cfg, pinned) * GiB  # one allocator a GPU
     host["pool_margin"] = max(0, pool - pinned)
     host["pool_bookkeeping"] = int(pool * POOL_BOOKKEEPING)
     host["runtime"] = int(RUNTIME)
@@ -96,41 +95,19 @@ def planned_devices(cfg: Config) -> int:
     return cfg.mesh.data or gpu_count()
 
 
-@functools.cache
-def gpu_count() -> int:
-    """The GPUs nvidia-smi lists (asked once: the fitting searches estimate many configs);
-    1 without any."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        return max(len(out.stdout.split()), 1) if out.returncode == 0 else 1
-    except (OSError, subprocess.TimeoutExpired):
-        return 1
-
-
-def host_memory_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 # Pinned bytes beyond the state: transfers' staging and the allocator's rounding.
 POOL_MARGIN = 2 * GiB
 
 
 def pinned_pool_bytes(cfg: Config, measuring: bool = False) -> int:
-    """The pinned host pool to ask XLA for: the host state, a margin, and with `measuring`
-    room for the rate measurement's copies (plan --measure, bench_step).
+    """The pinned host pool over all the run's GPUs: the host state, a margin, and with
+    `measuring` room for the rate measurement's copies (plan --measure, bench_step).
 
-    XLA's host allocator grows its regions by doubling up to this cap, and pinned memory is
-    resident once allocated: the process holds about the whole pool once the state fills
-    most of it. A tight cap is host memory kept for everything else."""
-    return _pool_bytes(cfg, pinned_bytes(cfg), measuring)
+    XLA gives each GPU its own pinned host allocator, capped at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+    (`pool_limit_gib`); each grows its regions by doubling up to the cap, and pinned memory
+    is resident once allocated: the process holds about every cap once the state fills most
+    of them. A tight cap is host memory kept for everything else."""
+    return planned_devices(cfg) * _pool_bytes(cfg, pinned_bytes(cfg), measuring)
 
 
 def pinned_bytes(cfg: Config) -> int:
@@ -140,14 +117,19 @@ def pinned_bytes(cfg: Config) -> int:
 
 
 def _pool_bytes(cfg: Config, pinned: int, measuring: bool = False) -> int:
+    """One GPU's allocator: a mesh of n GPUs whose model width splits over them holds 1/n of
+    every part of the state on each (stream/mesh.py; leaves too small to split fit in the
+    margin); otherwise each may hold it whole."""
     if cfg.stream.host_memory_gb:
         return int(cfg.stream.host_memory_gb * GiB)
-    return pinned + POOL_MARGIN + (measurement_bytes(cfg) if measuring else 0)
+    n = planned_devices(cfg)
+    share = pinned // n if cfg.model.hidden % n == 0 else pinned
+    return share + POOL_MARGIN + (measurement_bytes(cfg) if measuring else 0)
 
 
 def pool_limit_gib(cfg: Config, pinned: int, measuring: bool = False) -> int:
-    """The pool's cap in whole GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) for `pinned` bytes of
-    host state: the pool and its margin, rounded up."""
+    """Each GPU's pool cap in whole GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) for `pinned`
+    bytes of host state over the run's GPUs: its share and margin, rounded up."""
     return _pool_bytes(cfg, pinned, measuring) // GiB + 1
 
 
@@ -174,17 +156,6 @@ def usable_gpu_bytes(total: int | None) -> int | None:
     """Of a GPU of `total` bytes, what XLA may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_FRACTION))
     return None if total is None else int(total * fraction)
-
-
-def gpu_memory_bytes() -> int | None:
-    """Total memory of GPU 0 from nvidia-smi; None without an NVIDIA GPU."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True, text=True, timeout=20)
-        return int(float(out.stdout.split()[0])) * 2**20 if out.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return None
 
 
 def check_fits(cfg: Config, host: int | None = None, gpu: int | None = None) -> None:

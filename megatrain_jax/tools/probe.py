@@ -1,0 +1,49 @@
+"""What this machine has, read without JAX, so that a run can be sized before JAX starts: the
+GPUs the process may use, the first one's memory (nvidia-smi), the host memory available."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+
+
+@functools.cache
+def gpu_count() -> int:
+    """The GPUs the run may use: those CUDA_VISIBLE_DEVICES names where it is set (as JAX
+    sees them), else those nvidia-smi lists (asked once: the fitting searches estimate many
+    configs); 1 without any."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return max(len([d for d in visible.split(",") if d.strip()]), 1)
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return max(len(out.stdout.split()), 1) if out.returncode == 0 else 1
+    except (OSError, subprocess.TimeoutExpired):
+        return 1
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def gpu_memory_bytes() -> int | None:
+    """Total memory of the run's first GPU (CUDA_VISIBLE_DEVICES's first) from nvidia-smi;
+    None without an NVIDIA GPU."""
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                              "--format=csv,noheader,nounits", "-i", first],
+                             capture_output=True, text=True, timeout=20)
+        return int(float(out.stdout.split()[0])) * 2**20 if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None

@@ -1,6 +1,8 @@
 """Saving layers (`stream.keep_layers`): the last layers' forward keeps its matmuls' outputs on
 the device, and their backward fetches no weights and recomputes only the rest (CPU)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,6 +117,31 @@ def test_saving_layers_take_the_place_of_saved_inputs_in_the_plan():
     assert with_kept["kept_layers"] == 12 * memory.saved_by_keeping(kept)
     assert with_kept["saved_inputs"] == 20 * memory.saved_per_layer(cfg)
     assert base["saved_inputs"] == 32 * memory.saved_per_layer(cfg)
+
+
+def test_kept_attention_goes_to_the_layers_before_the_saving_ones(monkeypatch):
+    """Saving layers keep more than the attention, so with both the attention is kept by the
+    layers just before them: the plan counts those, and the step equals the reference."""
+    on = tiny("model.layers=4", "data.batch_size=4", "optim.lr=1e-2", "optim.clip_norm=1.3",
+              "model.attention=blockwise", "stream.attention_chunk=16",
+              "stream.keep_attention=on", "stream.keep_layers=1")
+    assert memory.keep_attention_layers(on, None) == 3
+    cfg7b = load_config("7b", ["stream.keep_attention=on", "stream.keep_layers=12"])
+    device, _ = memory.step_bytes(cfg7b, 1, None)
+    assert device["kept_attention"] == 20 * memory.kept_per_layer(cfg7b)
+    calls = []
+    from megatrain_jax.stream import programs
+    build = programs.build_programs
+
+    def counting(*args, **kwargs):  # which layers' forwards keep the attention
+        built = build(*args, **kwargs)
+        keeping = built.layer_keeping
+        return dataclasses.replace(built, layer_keeping=lambda *a: calls.append(1) or keeping(*a))
+
+    monkeypatch.setattr("megatrain_jax.stream.engine.build_programs", counting)
+    stream = agrees_with_reference_while_clipping(on, 3)
+    assert stream.engine.schedule.keep_attention == 3 and stream.engine.schedule.keep_layers == 1
+    assert len(calls) == 3 * 3  # layers 0, 1 and 2 in each of the 3 steps
 
 
 def test_keep_layers_refused_with_the_fix():

@@ -52,12 +52,12 @@ def step_bytes(cfg: Config, devices: int, gpu: int | None) -> tuple[dict, int]:
 
 
 def keep_attention_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
-    """How many layers, the last ones, keep their attention's output and statistics for the
-    backward under `stream.keep_attention`: `on` every layer, `off` none, `auto` as many as
-    the GPU room left after the saved inputs holds, less one more layer's working set (none
-    where that room is unknown, for
-    rows shorter than auto.KEEP_ATTENTION_FROM, where the attention cannot keep them, or over
-    several GPUs)."""
+    """How many layers, the last ones before the saving layers (`stream.keep_layers`, which
+    keep more), keep their attention's output and statistics for the backward under
+    `stream.keep_attention`: `on` every such layer, `off` none, `auto` as many as the GPU room
+    left after the saved inputs holds, less one more layer's working set (none where that
+    room is unknown, for rows shorter than auto.KEEP_ATTENTION_FROM, where the attention
+    cannot keep them, or over several GPUs)."""
     local, device, room = _without_inputs(cfg, devices, gpu)
     if room is not None:
         room -= saved_bytes(local, room)[0]
@@ -65,7 +65,8 @@ def keep_attention_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int
 
 
 def _keeping(local: Config, devices: int, room: int | None) -> int:
-    s, layers = local.stream.keep_attention, local.model.layers
+    s = local.stream.keep_attention
+    layers = max(0, local.model.layers - local.stream.keep_layers)  # saving layers keep more
     if s != "auto":
         return layers if s == "on" else 0
     acts = activations(local)

@@ -4,10 +4,10 @@
               while layer i computes, the next `depth` parts are already travelling H2D
     backward  layer L-1 … 0: recompute from the saved input, VJP, gradient D2H at once
 
-The last `keep_attention` layers' forward keeps what their backward's recompute then takes
-instead of computing it again (their attention's output: programs.Templates). The last
-`keep_layers` layers' forward keeps what their backward needs (programs.layer_saving): their
-backward fetches nothing and recomputes only the cheap part of the layer.
+The last `keep_layers` layers' forward keeps what their backward needs (programs.layer_saving):
+their backward fetches nothing and recomputes only the cheap part of the layer. The
+`keep_attention` layers before them keep what their backward's recompute then takes instead
+of computing it again (their attention's output: programs.Templates).
 
 Parts are indexed in streaming order (0 embed, 1..L layers, L+1 head) and named as
 `placement.part_names` names them. The loops only dispatch: programs compute, the placement
@@ -66,8 +66,8 @@ class Schedule:
         embed = fetch(0)
         xs = tracer.issued("compute", "embed", run.embed_forward(embed, batch))
         saved, kept, offloads = [], [None] * layers, _InFlight(depth, tracer)
-        keeping = range(layers - min(self.keep_attention, layers), layers)
         saving = range(layers - min(self.keep_layers, layers), layers)
+        keeping = range(max(0, saving.start - self.keep_attention), saving.start)
         computing = _InFlight(depth, tracer, "compute")  # the weights fetched ahead of it
         stream = _prefetched(range(1, layers + 2), fetch, depth, written)
         for i, w in zip(range(layers), stream):

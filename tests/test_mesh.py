@@ -163,7 +163,10 @@ def test_the_plan_is_per_gpu_for_a_mesh_and_the_host_holds_one_state():
     two = plan.estimate(load_config("7b", ["mesh.data=2", "data.batch_size=32", fp32_grads]),
                         gpu=140 * 2**30)
     assert two["devices"] == 2 and one["devices"] == 1
-    assert two["host_total"] == one["host_total"]  # twice the tokens, the same host state
+    # Twice the tokens, the same host state; one pinned pool a GPU, each with its margin.
+    assert all(two["host"][k] == one["host"][k] for k in plan.PINNED)
+    extra = two["host"]["pool_margin"] - one["host"]["pool_margin"]
+    assert 0 < extra <= plan.POOL_MARGIN + 2 * 2**30  # the second margin, two roundings
     # Summed over the mesh, the layer gradients are no bf16 values: auto keeps them fp32.
     auto = plan.estimate(load_config("7b", ["mesh.data=2", "data.batch_size=32"]),
                          gpu=140 * 2**30)

@@ -110,7 +110,7 @@ def cmd_plan(args) -> int:
         if len(modes) > 1:
             print("host bytes per parameter by optim.state_dtype (with these gradients and "
                   "the runtime): " + ", ".join(f"{k} {v:.1f}" for k, v in modes.items()))
-    print("\n".join(memory.describe(cfg, gpu, est["devices"])))
+    print("\n".join(memory.describe(cfg, gpu, est["devices"]) + planner.traffic_lines(cfg)))
     where = "the machine of --host-gb/--gpu-gb" if target else "this machine"
     for name, have, need in (("host", host, est["host_total"]),
                              ("GPU", gpu, est["device_total"])):

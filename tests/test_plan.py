@@ -476,3 +476,18 @@ def test_each_gpu_of_a_mesh_gets_a_pool_for_its_share_of_the_state():
     assert host["pool_margin"] == 4 * plan.pool_limit_gib(four, pinned) * GiB - pinned
     three = load_config("7b", ["mesh.data=3", "data.batch_size=48"])  # 4096 % 3: kept whole
     assert plan.pool_limit_gib(three, pinned) == (pinned + plan.POOL_MARGIN) // GiB + 1
+
+
+def test_the_host_memory_traffic_of_a_step_grows_over_a_mesh_by_the_fp32_gradients_only():
+    """Each GPU of a mesh reads its shard of the weights, so they cross the host's memory once
+    as on one GPU; the gradients, sums over the GPUs, are fp32 (written, then read by the
+    update) where one GPU's are bf16."""
+    one = plan.host_traffic(load_config("7b", ["mesh.data=1"]))
+    four_cfg = load_config("7b", ["mesh.data=4", "data.batch_size=64"])
+    four = plan.host_traffic(four_cfg)
+    assert one["weights"] == four["weights"] == 8
+    assert four["gradients"] == 4 and 2 < one["gradients"] < 2.2  # the edges' stay fp32
+    assert four["update"] - one["update"] == pytest.approx(four["gradients"] - one["gradients"])
+    assert four["update"] == 28  # p, g, mu, nu read; p, mu, nu written
+    assert "40.0 bytes a host-held parameter" in plan.traffic_lines(four_cfg)[0]
+    assert plan.traffic_lines(load_config("7b", ["stream.update=device"])) == []

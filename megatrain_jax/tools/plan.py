@@ -21,6 +21,7 @@ from megatrain_jax.config import (
     Config,
     ConfigError,
     auto,
+    host_update,
     load_config,
     memory,
     shipped_configs,
@@ -28,7 +29,7 @@ from megatrain_jax.config import (
 from megatrain_jax.config.memory import optimizer_bytes, replaced
 from megatrain_jax.io import array_files, checkpoint
 from megatrain_jax.tools.probe import gpu_count, gpu_memory_bytes, host_memory_available
-from megatrain_jax.tools.roofline import gradient_bytes  # plain arithmetic, no JAX
+from megatrain_jax.tools.roofline import gradient_bytes, streamed_params, update_bytes  # no JAX
 
 GiB = 2**30
 # Host memory of a streamed run beyond its pinned pool (measured on an H100 machine, 1b and 7b,
@@ -79,6 +80,25 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
         host["checkpoint_copies"] = int(state * on_device) + checkpoint.THREADS * array_files.CHUNK
     return {"host": host, "device": device, "host_total": sum(host.values()),
             "device_total": sum(device.values()), "devices": n}
+
+
+def host_traffic(cfg: Config) -> dict[str, float]:
+    """Bytes through the host's memory a step, per host-held parameter, with the host update:
+    the weights read for the forward and again for the backward (4 each; over a mesh each GPU
+    reads its shard, so the weights are read once however many GPUs), the gradients written
+    and the update's reads and writes (over a mesh the gradients are sums, in fp32)."""
+    n = planned_devices(cfg)
+    return {"weights": 8.0, "gradients": gradient_bytes(cfg, n), "update": update_bytes(cfg, n)}
+
+
+def traffic_lines(cfg: Config) -> list[str]:
+    """`plan`'s line on `host_traffic`, for runs that update on the host."""
+    if cfg.loop.trainer != "stream" or not host_update(cfg):
+        return []
+    moved, held = host_traffic(cfg), streamed_params(cfg.model, cfg.stream.resident_layers)
+    parts = ", ".join(f"{name} {n:.1f}" for name, n in moved.items())
+    return [f"host memory traffic a step: {sum(moved.values()):.1f} bytes a host-held "
+            f"parameter ({parts}), {sum(moved.values()) * held / 1e9:.0f} GB"]
 
 
 def host_bytes_per_param(cfg: Config, gpu: int | None = None) -> dict[str, float]:

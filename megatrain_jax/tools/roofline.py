@@ -177,12 +177,12 @@ def gradient_bytes(cfg, devices: int = 1) -> float:
     return (2 * layers + 4 * (streamed - layers)) / max(streamed, 1)
 
 
-def update_bytes(cfg) -> float:
+def update_bytes(cfg, devices: int = 1) -> float:
     """Host memory bytes per host-held parameter of the in-place update: the weights read and
-    written (8), the gradients read (`gradient_bytes`), both moments read and written as
-    optim.state_dtype stores them (16 in fp32, 8 in bf16, about 4.06 in int8). Vectors keep
-    fp32 moments in every form: a share too small to count."""
-    return 8 + gradient_bytes(cfg) + 2 * optimizer_bytes(cfg)
+    written (8), the gradients read (`gradient_bytes` over `devices`), both moments read and
+    written as optim.state_dtype stores them (16 in fp32, 8 in bf16, about 4.06 in int8).
+    Vectors keep fp32 moments in every form: a share too small to count."""
+    return 8 + gradient_bytes(cfg, devices) + 2 * optimizer_bytes(cfg)
 
 
 def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int, grad_bytes: float,

@@ -29,6 +29,9 @@ def test_train_tiny_end_to_end(tmp_path, trainer):
         assert key in record
     assert json.loads((run_dir / "config.json").read_text())["loop"]["trainer"] == trainer
     assert "train 3/3" in result.stderr  # plain progress lines when not on a terminal
+    if trainer == "stream":  # the state built part by part: weights, then optimizer states
+        assert "init 4/8  part head weights" in result.stderr
+        assert "init 8/8  part head optimizer state" in result.stderr
 
 
 def test_bad_override_fails_fast_with_the_key():

@@ -127,18 +127,25 @@ class StreamEngine:
     # ----- state ---------------------------------------------------------------------------
 
     def init_state(self, init_embed: Callable, init_layer: Callable, init_head: Callable,
-                   num_layers: int) -> StreamState:
-        """Builds parameters part by part at home, then the optimizer state beside them."""
-        params = self.placement.init_params(init_embed, init_layer, init_head, num_layers)
-        return StreamState(params, self.placement.init_opt_state(self.optimizer.init, params))
+                   num_layers: int, on_part: Callable | None = None) -> StreamState:
+        """Builds parameters part by part at home, then the optimizer state beside them.
+        `on_part(name)`, if given, follows each part's weights and each part's optimizer
+        state once they are home (a progress bar's tick)."""
+        params = self.placement.init_params(init_embed, init_layer, init_head, num_layers,
+                                            on_part)
+        return StreamState(params, self.placement.init_opt_state(self.optimizer.init, params,
+                                                                 on_part))
 
-    def state_from_params(self, params: dict, copy: bool = True) -> StreamState:
+    def state_from_params(self, params: dict, copy: bool = True,
+                          on_part: Callable | None = None) -> StreamState:
         """State from existing parameters (anywhere), e.g. an imported checkpoint. Parts
         already in pinned host memory are taken over as they are (and updated in place: the
         import's memory is the state's); with `copy`, parts already on the device are copied
-        where they stay, so donating them leaves `params` whole."""
+        where they stay, so donating them leaves `params` whole. `on_part` as in init_state,
+        for the optimizer state."""
         params = self.placement.place_params(params, copy)
-        return StreamState(params, self.placement.init_opt_state(self.optimizer.init, params))
+        return StreamState(params, self.placement.init_opt_state(self.optimizer.init, params,
+                                                                 on_part))
 
     def abstract_state(self, abstract_params: dict) -> dict:
         """{"params", "opt_state"} as ShapeDtypeStructs at home: a restore target."""

@@ -227,19 +227,24 @@ class Placement:
     # ----- building state at home ----------------------------------------------------------
 
     def init_params(self, init_embed: Callable, init_layer: Callable, init_head: Callable,
-                    num_layers: int) -> dict:
+                    num_layers: int, on_part: Callable | None = None) -> dict:
         """Parameters built part by part and moved home before the next is made: the whole
-        model never exists on the device. `init_layer(i)` gives layer i's parameters."""
+        model never exists on the device. `init_layer(i)` gives layer i's parameters.
+        `on_part(name)`, if given, follows each part once it is home."""
         self.check(num_layers)
         makers = [init_embed, *(lambda i=i: init_layer(i) for i in range(num_layers)),
                   init_head]
-        return from_parts([self.place(make(), self.home(k)) for k, make in enumerate(makers)])
+        return from_parts([_landed(self.place(make(), self.home(k)), on_part, k, num_layers)
+                           for k, make in enumerate(makers)])
 
-    def init_opt_state(self, opt_init: Callable, params: dict) -> dict:
-        """Optax state of each part, created on the device and stored in the part's home."""
+    def init_opt_state(self, opt_init: Callable, params: dict,
+                       on_part: Callable | None = None) -> dict:
+        """Optax state of each part, created on the device and stored in the part's home;
+        `on_part(name)` as in init_params."""
         on_host, on_device = self.host_jit(opt_init), self.device_jit(opt_init)
-        return from_parts([on_device(p) if self.is_resident(k) else on_host(p)
-                           for k, p in enumerate(parts(params))])
+        layers = len(params["layers"])
+        return from_parts([_landed(on_device(p) if self.is_resident(k) else on_host(p),
+                                   on_part, k, layers) for k, p in enumerate(parts(params))])
 
     def abstract_state(self, abstract_params: dict, opt_init: Callable) -> dict:
         """{"params", "opt_state"} as ShapeDtypeStructs in each part's home: a restore
@@ -249,6 +254,14 @@ class Placement:
         return {name: from_parts([placed_shapes(part, self.shardings(part, self.home(k)))
                                   for k, part in enumerate(parts(tree))])
                 for name, tree in (("params", abstract_params), ("opt_state", opt_state))}
+
+
+def _landed(part, on_part: Callable | None, k: int, layers: int):
+    """`part`, after telling `on_part` that it is in place (waiting for it first)."""
+    if on_part is not None:
+        jax.block_until_ready(part)
+        on_part(part_names(layers)[k])
+    return part
 
 
 def _from_whole(a, sharding: Sharding) -> jax.Array:

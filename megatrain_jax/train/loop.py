@@ -117,14 +117,28 @@ def _rewind(run_dir: Path, step: int) -> None:
 
 
 def initial_state(cfg: Config, trainer):
-    """Random parameters, or those of model.hf_path read part by part into their place."""
-    if not cfg.model.hf_path:
-        return trainer.init(jax.random.key(cfg.loop.seed))
-    parts = len(hf.tensor_names(cfg.model))
-    bar = Progress(parts, cfg.loop.progress, label="import")
-    params = hf.load_params(cfg.model.hf_path, cfg.model, put=trainer.put_params, progress=bar)
+    """Random parameters, or those of model.hf_path read part by part into their place, and
+    the optimizer state, with a progress bar (a 30B model takes minutes)."""
+    parts = cfg.model.layers + 2
+    params = None
+    if cfg.model.hf_path:
+        bar = Progress(len(hf.tensor_names(cfg.model)), cfg.loop.progress, label="import")
+        params = hf.load_params(cfg.model.hf_path, cfg.model, put=trainer.put_params,
+                                progress=bar)
+        bar.close()
+    total = parts if params is not None else 2 * parts  # the optimizer state; the weights too
+    bar = Progress(total, cfg.loop.progress, label="init", plain_every=max(total // 8, 1))
+    done = iter(range(1, total + 1))
+
+    def landed(name: str) -> None:  # the weights (random init) first, then optimizer states
+        k = next(done)
+        what = "weights" if params is None and k <= parts else "optimizer state"
+        bar.update(k, {"part": f"{name} {what}"})
+
+    state = trainer.init(None if params is not None else jax.random.key(cfg.loop.seed),
+                         params, on_part=landed)
     bar.close()
-    return trainer.init(None, params)
+    return state
 
 
 def _tensorboard(cfg: Config, run_dir: Path):

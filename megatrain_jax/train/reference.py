@@ -51,7 +51,9 @@ class ReferenceTrainer:
         self.put_params = jax.device_put  # where imported parameters go
         self._eval_loss = programs.jit(self._eval_loss_impl)
 
-    def init(self, key, params: dict | None = None) -> TrainState:
+    def init(self, key, params: dict | None = None, on_part=None) -> TrainState:
+        """The whole model at once (`on_part`, the streamed trainer's progress hook, is not
+        called: there are no parts)."""
         params = model.init(self.cfg.model, key) if params is None else params
         return TrainState(params, self.opt.init(params), jnp.zeros((), jnp.int32))
 

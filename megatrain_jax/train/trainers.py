@@ -79,16 +79,18 @@ class StreamTrainer:
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go
 
-    def init(self, key, params: dict | None = None) -> StreamState:
+    def init(self, key, params: dict | None = None, on_part=None) -> StreamState:
+        """Random parameters from `key`, or `params`, and their optimizer state, part by part;
+        `on_part(name)` follows each part's weights and optimizer state once home."""
         if params is not None:
-            return self.engine.state_from_params(params)
+            return self.engine.state_from_params(params, on_part=on_part)
         m = self.cfg.model
         init_layer = jax.jit(partial(model.init_layer, m))  # compiled once for all layers
         return self.engine.init_state(
             lambda: model.init_embed(m, model.layer_key(key, -1)),
             lambda i: init_layer(model.layer_key(key, i)),
             lambda: model.init_head(m, model.layer_key(key, -2)),
-            m.layers,
+            m.layers, on_part,
         )
 
     def eval_loss(self, state: StreamState, batch: dict):

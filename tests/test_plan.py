@@ -456,11 +456,14 @@ def test_plan_extrapolates_a_measured_run_to_another_depth(capsys, tmp_path):
 def test_the_gpus_counted_are_those_cuda_visible_devices_leaves(monkeypatch):
     """A run on some of a machine's GPUs is planned for those (one GPU: bf16 gradients and
     its pool), not for every GPU nvidia-smi lists."""
+    from megatrain_jax.tools import probe
+
     for visible, count in (("0", 1), ("0,1,2,3", 4), ("2,3", 2), ("", 1)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-        plan.gpu_count.cache_clear()
-        assert plan.gpu_count() == count
-    plan.gpu_count.cache_clear()
+        probe.gpu_count.cache_clear()
+        assert probe.gpu_count() == count
+        assert probe.planned_devices(load_config("7b")) == count  # mesh.data=0: all of them
+    probe.gpu_count.cache_clear()
 
 
 def test_each_gpu_of_a_mesh_gets_a_pool_for_its_share_of_the_state():
@@ -491,3 +494,16 @@ def test_the_host_memory_traffic_of_a_step_grows_over_a_mesh_by_the_fp32_gradien
     assert four["update"] == 28  # p, g, mu, nu read; p, mu, nu written
     assert "40.0 bytes a host-held parameter" in plan.traffic_lines(four_cfg)[0]
     assert plan.traffic_lines(load_config("7b", ["stream.update=device"])) == []
+
+
+def test_the_bound_over_a_mesh_counts_fp32_gradients():
+    """The same rates, one GPU against a mesh: the mesh's gradients are sums (fp32), so its
+    gradient traffic and its update's bytes are the larger."""
+    rates = roofline.Rates(**{**RATES_7B, "host_memory_gbps": 150.0})
+    one = roofline.bound_for(load_config("7b", ["mesh.data=1"]), rates)
+    two = roofline.bound_for(load_config("7b", ["mesh.data=2", "data.batch_size=32"]), rates)
+    assert two["d2h_s"] == pytest.approx(one["d2h_s"] * 4 / roofline.gradient_bytes(
+        load_config("7b", ["mesh.data=1"])))
+    host = lambda b: b["host_memory_forward_s"] + b["host_memory_backward_s"]  # noqa: E731
+    assert host(two) == pytest.approx(host(one) * 40.0 / (8 + 2 * roofline.gradient_bytes(
+        load_config("7b", ["mesh.data=1"])) + 24))

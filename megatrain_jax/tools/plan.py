@@ -28,7 +28,7 @@ from megatrain_jax.config import (
 )
 from megatrain_jax.config.memory import optimizer_bytes, replaced
 from megatrain_jax.io import array_files, checkpoint
-from megatrain_jax.tools.probe import gpu_count, gpu_memory_bytes, host_memory_available
+from megatrain_jax.tools.probe import gpu_memory_bytes, host_memory_available, planned_devices
 from megatrain_jax.tools.roofline import gradient_bytes, streamed_params, update_bytes  # no JAX
 
 GiB = 2**30
@@ -107,12 +107,6 @@ def host_bytes_per_param(cfg: Config, gpu: int | None = None) -> dict[str, float
     modes = STATE_DTYPES if cfg.optim.name in HOST_OPTIMIZERS else ("float32",)
     return {mode: estimate(replaced(cfg, "optim", state_dtype=mode), gpu)["host_total"]
             / cfg.model.num_params for mode in modes}
-
-
-def planned_devices(cfg: Config) -> int:
-    """The GPUs a run uses: mesh.data, or (0) every GPU nvidia-smi lists; 1 without any.
-    The plan is per GPU, for one process."""
-    return cfg.mesh.data or gpu_count()
 
 
 # Pinned bytes beyond the state: transfers' staging and the allocator's rounding.

@@ -47,3 +47,9 @@ def gpu_memory_bytes() -> int | None:
         return int(float(out.stdout.split()[0])) * 2**20 if out.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return None
+
+
+def planned_devices(cfg) -> int:
+    """The GPUs a run uses: mesh.data, or (0) every GPU `gpu_count` finds; 1 without any.
+    The plan is per GPU, for one process."""
+    return cfg.mesh.data or gpu_count()

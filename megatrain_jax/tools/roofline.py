@@ -44,6 +44,7 @@ import time
 
 from megatrain_jax.config import ModelConfig, host_update, layer_grad_dtype
 from megatrain_jax.config.memory import optimizer_bytes
+from megatrain_jax.tools.probe import planned_devices
 
 # Host memory bytes of the in-place AdamW per parameter: p, g, mu, nu read; p, mu, nu written.
 HOST_UPDATE_BYTES = 28
@@ -152,8 +153,12 @@ def best_speculate_share(cfg, rates: Rates) -> tuple[float, float]:
 
 
 def _bound_at(cfg, rates: Rates, share: float) -> dict:
+    """The bound of cfg's step. Over a mesh the rates are the mesh's (`measure` times a layer
+    over it, and the links together, each carrying its shard), and the layer gradients are
+    sums over the GPUs: fp32."""
+    n = planned_devices(cfg)
     return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
-                 grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
+                 grad_bytes=gradient_bytes(cfg, n), update_bytes=update_bytes(cfg, n),
                  speculate=share)
 
 
@@ -291,7 +296,7 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     rates = at_optimizer_rate(
         Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
               overlapped_update=engine.host_optimizer is not None),
-        optimizer_gparams or sample, max(alone, shared), update_bytes(cfg))
+        optimizer_gparams or sample, max(alone, shared), update_bytes(cfg, planned_devices(cfg)))
     return {**dataclasses.asdict(rates), **bound_for(cfg, rates),
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": alone,
             "host_memory_shared_gbps": shared}

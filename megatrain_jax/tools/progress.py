@@ -38,8 +38,10 @@ class Progress:
         self.plain_every = max(plain_every, 1)
         self.start = time.perf_counter()
         self.first_done = None  # the first step includes compilation; ETA ignores it
+        self.done = 0  # the last count shown
 
     def update(self, done: int, fields: dict) -> None:
+        self.done = done
         if self.mode == "none":
             return
         now = time.perf_counter()

@@ -8,11 +8,15 @@ from megatrain_jax.train.loop import (
     TrainingStopped,
     evaluate,
     export_run,
-    initial_state,
     train,
 )
 from megatrain_jax.train.reference import ReferenceTrainer, TrainState
-from megatrain_jax.train.trainers import StreamTrainer, llama_templates, make_trainer
+from megatrain_jax.train.trainers import (
+    StreamTrainer,
+    initial_state,
+    llama_templates,
+    make_trainer,
+)
 
 __all__ = ["ReferenceTrainer", "StreamTrainer", "TrainState", "TrainingStopped", "evaluate",
            "export_run", "initial_state", "llama_templates", "make_trainer", "train"]

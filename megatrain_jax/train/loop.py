@@ -22,7 +22,6 @@ import statistics
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from megatrain_jax.config import (
@@ -45,7 +44,7 @@ from megatrain_jax.stream import Timeline
 from megatrain_jax.tools.machine import memory_record, peak_flops
 from megatrain_jax.tools.progress import Progress
 from megatrain_jax.train.resume import check_continues, restore, run_record
-from megatrain_jax.train.trainers import make_trainer
+from megatrain_jax.train.trainers import initial_state, make_trainer
 
 
 class TrainingStopped(RuntimeError):
@@ -114,31 +113,6 @@ def _rewind(run_dir: Path, step: int) -> None:
         partial = path.with_name(path.name + ".partial")
         partial.write_text("".join(kept))
         partial.replace(path)
-
-
-def initial_state(cfg: Config, trainer):
-    """Random parameters, or those of model.hf_path read part by part into their place, and
-    the optimizer state, with a progress bar (a 30B model takes minutes)."""
-    parts = cfg.model.layers + 2
-    params = None
-    if cfg.model.hf_path:
-        bar = Progress(len(hf.tensor_names(cfg.model)), cfg.loop.progress, label="import")
-        params = hf.load_params(cfg.model.hf_path, cfg.model, put=trainer.put_params,
-                                progress=bar)
-        bar.close()
-    total = parts if params is not None else 2 * parts  # the optimizer state; the weights too
-    bar = Progress(total, cfg.loop.progress, label="init", plain_every=max(total // 8, 1))
-    done = iter(range(1, total + 1))
-
-    def landed(name: str) -> None:  # the weights (random init) first, then optimizer states
-        k = next(done)
-        what = "weights" if params is None and k <= parts else "optimizer state"
-        bar.update(k, {"part": f"{name} {what}"})
-
-    state = trainer.init(None if params is not None else jax.random.key(cfg.loop.seed),
-                         params, on_part=landed)
-    bar.close()
-    return state
 
 
 def _tensorboard(cfg: Config, run_dir: Path):

@@ -2,6 +2,7 @@
 
     trainer = make_trainer(cfg)                     # loop.trainer: stream or reference
     state = trainer.init(jax.random.key(0))         # or trainer.init(None, params)
+    state = initial_state(cfg, trainer)             # cfg's: random or model.hf_path, a bar
     state, metrics = trainer.train_step(state, batch, tracer=None, before_write=None)
     tree = trainer.state_tree(state)                # {"params", "opt_state"}: a checkpoint
     record = trainer.state_record(state)            # JSON facts the checkpoint keeps beside
@@ -20,9 +21,11 @@ import jax
 
 from megatrain_jax import model, optim
 from megatrain_jax.config import Config, ConfigError, layer_grad_dtype, memory
+from megatrain_jax.io import hf
 from megatrain_jax.model import replay
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
 from megatrain_jax.stream.mesh import make_mesh
+from megatrain_jax.tools.progress import Progress
 from megatrain_jax.train.reference import ReferenceTrainer
 
 
@@ -173,3 +176,26 @@ def mesh_for(cfg: Config):
 
 def make_trainer(cfg: Config):
     return StreamTrainer(cfg) if cfg.loop.trainer == "stream" else ReferenceTrainer(cfg)
+
+
+def initial_state(cfg: Config, trainer):
+    """Random parameters, or those of model.hf_path read part by part into their place, and
+    the optimizer state, with a progress bar (a 30B model takes minutes)."""
+    parts = cfg.model.layers + 2
+    params = None
+    if cfg.model.hf_path:
+        bar = Progress(len(hf.tensor_names(cfg.model)), cfg.loop.progress, label="import")
+        params = hf.load_params(cfg.model.hf_path, cfg.model, put=trainer.put_params,
+                                progress=bar)
+        bar.close()
+    total = parts if params is not None else 2 * parts  # the optimizer state; the weights too
+    bar = Progress(total, cfg.loop.progress, label="init", plain_every=max(total // 8, 1))
+
+    def landed(name: str) -> None:  # the weights (random init) first, then optimizer states
+        what = "weights" if params is None and bar.done < parts else "optimizer state"
+        bar.update(bar.done + 1, {"part": f"{name} {what}"})
+
+    state = trainer.init(None if params is not None else jax.random.key(cfg.loop.seed),
+                         params, on_part=landed)
+    bar.close()
+    return state

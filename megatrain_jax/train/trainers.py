@@ -189,7 +189,7 @@ def initial_state(cfg: Config, trainer):
                                 progress=bar)
         bar.close()
     total = parts if params is not None else 2 * parts  # the optimizer state; the weights too
-    bar = Progress(total, cfg.loop.progress, label="init", plain_every=max(total // 8, 1))
+    bar = Progress(total, cfg.loop.progress, label="init", plain_every=max(total // 4, 1))
 
     def landed(name: str) -> None:  # the weights (random init) first, then optimizer states
         what = "weights" if params is None and bar.done < parts else "optimizer state"

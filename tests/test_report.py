@@ -158,3 +158,22 @@ def test_resident_memory_splits_into_heap_and_mapped_files():
     after = host_rss_parts_bytes()
     assert after["anon"] - before["anon"] >= 60 * 2**20
     del buffer
+
+
+def test_the_gpu_peak_is_the_fullest_device_s(monkeypatch):
+    """Over a mesh, the memory record and the benchmarks take the device that peaked highest,
+    not device 0 alone."""
+    import jax
+
+    from megatrain_jax.tools import machine
+
+    class Device:
+        def __init__(self, peak):
+            self.stats = {"peak_bytes_in_use": peak, "bytes_in_use": peak // 2}
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device(5), Device(9), Device(7)])
+    assert machine.peak_device_bytes() == 9
+    assert machine.memory_record()["device_bytes_now"] == 4

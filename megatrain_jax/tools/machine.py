@@ -21,12 +21,15 @@ def peak_flops() -> float | None:
 
 
 def _device_stats() -> dict:
-    """Device 0's allocator statistics, where the backend reports them (GPUs; not the CPU)."""
-    return jax.local_devices()[0].memory_stats() or {}
+    """The allocator statistics of the process's fullest device (the largest peak; several
+    GPUs of a mesh peak alike, within the few arrays one of them holds alone), where the
+    backend reports them (GPUs; not the CPU)."""
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    return max(stats, key=lambda s: s.get("peak_bytes_in_use") or 0)
 
 
 def peak_device_bytes() -> int | None:
-    """Peak bytes in use on device 0, where the backend reports it."""
+    """Peak bytes in use on the process's fullest device, where the backend reports it."""
     return _device_stats().get("peak_bytes_in_use")
 
 

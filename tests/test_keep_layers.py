@@ -48,7 +48,8 @@ def _forward_backward(cfg, params, keep_layers: int):
     return float(loss), jax.tree.map(np.asarray, grads), tracer.h2d
 
 
-@pytest.mark.parametrize("dtype,micro_batches", [("float32", 2), ("bfloat16", 1)])
+@pytest.mark.parametrize("dtype,micro_batches", [("float32", 2), ("bfloat16", 1),
+                                                  ("bfloat16", 2)])
 def test_saving_layers_give_the_gradients_of_recomputing_and_fetch_no_weights_back(
         dtype, micro_batches):
     """Keeping or recomputing, the same loss and the same gradients, bit for bit here (the
@@ -89,10 +90,13 @@ def test_saving_layers_sum_the_micro_batches_gradients_in_the_recomputing_order(
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.compute_dtype=bfloat16",
-                                             "data.micro_batches=2"], ["model.qkv_bias=true"]])
+                                             "data.micro_batches=2"], ["model.qkv_bias=true"],
+                                       ["model.compute_dtype=bfloat16", "stream.mlp_tile=16"]])
 def test_saved_bytes_as_planned(overrides):
     """memory.saved_by_keeping against what the saving forward returns for its backward
-    (within the few bytes of the batch's own index arrays)."""
+    (within the few bytes of the batch's own index arrays): with bf16 compute the weights
+    are kept cast, once for all micro-batches, unless the MLP runs in tiles (whose loop
+    sums the weights' gradients, which must be fp32)."""
     cfg = tiny("stream.keep_layers=1", *overrides)
     engine = trainers.StreamTrainer(cfg).engine
     layer = jax.eval_shape(lambda: model.init_layer(cfg.model, jax.random.key(0)))
@@ -105,6 +109,10 @@ def test_saved_bytes_as_planned(overrides):
     kept = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(saved))
     planned = memory.saved_by_keeping(cfg)
     assert planned <= kept <= planned + 4 * d.batch_size * d.seq_len
+    weights = {leaf.dtype for leaf in jax.tree.leaves(saved) if leaf.shape in
+               {a.shape for a in jax.tree.leaves(layer) if a.ndim == 2}}
+    assert weights == {jnp.dtype("bfloat16") if memory.saves_cast_weights(cfg) else
+                       jnp.dtype("float32")}
 
 
 def test_saving_layers_take_the_place_of_saved_inputs_in_the_plan():

@@ -137,12 +137,23 @@ def act_bytes(cfg: Config) -> int:
 
 def saved_by_keeping(cfg: Config) -> int:
     """Bytes one layer of `stream.keep_layers` keeps on the GPU from its forward to its
-    backward (programs.SAVED_BY_SAVING_LAYERS): its fp32 weights and, in the compute dtype,
-    the whole batch's input and those outputs of its matmuls with the weights that the
-    backward reads (q, k, v, the attention's projection, the MLP's gate and up)."""
+    backward (programs.SAVED_BY_SAVING_LAYERS): its weights (in bf16 where `saves_cast_weights`,
+    else fp32) and, in the compute dtype, the whole batch's input and those outputs of its
+    matmuls with the weights that the backward reads (q, k, v, the attention's projection,
+    the MLP's gate and up)."""
     m = cfg.model
     per_token = 2 * m.hidden + (m.heads + 2 * m.kv_heads) * m.dh + 2 * m.ffn
-    return cfg.data.tokens_per_step * per_token * act_bytes(cfg) + 4 * m.params_per_layer
+    weights = act_bytes(cfg) if saves_cast_weights(cfg) else 4
+    return cfg.data.tokens_per_step * per_token * act_bytes(cfg) + weights * m.params_per_layer
+
+
+def saves_cast_weights(cfg: Config) -> bool:
+    """Whether a saving layer may keep its weights as the layer casts them (Templates'
+    saving_dtype): with bf16 compute the Llama layer casts every weight before use, and, its
+    MLP untiled, uses each once, so no loop in the layer sums a weight's gradient in bf16."""
+    tokens = cfg.data.tokens_per_step // cfg.data.micro_batches
+    return (cfg.model.compute_dtype == "bfloat16"
+            and not auto.mlp_tile(cfg.stream.mlp_tile, tokens))
 
 
 def inputs_saved(cfg: Config) -> int:

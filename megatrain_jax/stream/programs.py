@@ -40,6 +40,10 @@ class Templates:
     `layer_replaying(layer_params, x, batch, kept) -> x`, optional: the layer whose forward
     keeps what its backward's recompute then takes instead of computing it again (the
     attention's output and statistics, model/replay.py); same value, same gradients.
+    `saving_dtype`: a dtype (e.g. bfloat16) the layer casts every weight to before its first
+    use and uses each weight once (no loop inside it sums a weight's gradient): a saving
+    layer (`layer_saving`) then keeps its weights cast, half the bytes of fp32, with the same
+    values and gradients. None: it keeps them as they are.
     """
 
     embed: Callable
@@ -50,6 +54,7 @@ class Templates:
     layer_grad_dtype: object = None
     layer_keeping: Callable | None = None
     layer_replaying: Callable | None = None
+    saving_dtype: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +151,16 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         (SAVED_BY_SAVING_LAYERS), so that layer_backward_saved neither fetches the weights
         nor recomputes the matmuls: (xs, saved)."""
         layer = jax.checkpoint(t.layer, policy=SAVED_BY_SAVING_LAYERS)  # per micro-batch
+        cast = (lambda w: w) if t.saving_dtype is None else \
+            (lambda w: jax.tree.map(lambda a: a.astype(t.saving_dtype), w))
 
         def forward(w, xs_):
             # The micro-batches run last to first, so that the backward, which takes them in
             # the opposite order, sums their weight gradients first to last in fp32, as
-            # layer_backward's scan does: the same sums, bit for bit.
-            return _flipped(jax.lax.map(lambda args: layer(w, *args), _flipped((xs_, batch))))
+            # layer_backward's scan does: the same sums, bit for bit. The cast is the same
+            # for every micro-batch: the checkpoint keeps it once, the fp32 weights not at all.
+            return _flipped(jax.lax.map(lambda args: layer(cast(w), *args),
+                                        _flipped((xs_, batch))))
 
         return jax.vjp(forward, params, xs)
 

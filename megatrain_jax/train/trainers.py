@@ -62,7 +62,9 @@ def llama_templates(config: Config, devices: int = 1) -> Templates:
     halves = layer_grad_dtype(config, devices) == "bfloat16"
     return Templates(embed, layer, head_loss, tied=cfg.tie_embeddings,
                      layer_grad_dtype="bfloat16" if halves else None,
-                     layer_keeping=layer_keeping, layer_replaying=layer_replaying)
+                     layer_keeping=layer_keeping, layer_replaying=layer_replaying,
+                     saving_dtype=cfg.compute_dtype if memory.saves_cast_weights(config)
+                     else None)  # saving layers run on one device
 
 
 class StreamTrainer:

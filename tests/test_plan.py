@@ -507,3 +507,15 @@ def test_the_bound_over_a_mesh_counts_fp32_gradients():
     host = lambda b: b["host_memory_forward_s"] + b["host_memory_backward_s"]  # noqa: E731
     assert host(two) == pytest.approx(host(one) * 40.0 / (8 + 2 * roofline.gradient_bytes(
         load_config("7b", ["mesh.data=1"])) + 24))
+
+
+def test_a_mesh_that_does_not_divide_the_width_holds_the_state_on_every_gpu():
+    """mesh.data=3 with a width of 4096: no weight matrix splits, so each GPU's pool holds the
+    whole state, and the plan says so rather than hiding it in the margin."""
+    three = load_config("7b", ["mesh.data=3", "data.batch_size=48"])
+    host = plan.estimate(three)["host"]
+    pinned = sum(host[name] for name in plan.PINNED)
+    assert host["replicas"] == 2 * pinned
+    assert 0 <= host["pool_margin"] <= 3 * (plan.POOL_MARGIN + GiB)
+    assert "replicas" not in plan.estimate(load_config("7b", ["mesh.data=4",
+                                                           "data.batch_size=64"]))["host"]

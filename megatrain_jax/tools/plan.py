@@ -64,7 +64,10 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     # state fills most of it), its allocator's bookkeeping, and the runtimes.
     pinned = sum(host[name] for name in PINNED)
     pool = n * pool_limit_gib(cfg, pinned) * GiB  # one allocator a GPU
-    host["pool_margin"] = max(0, pool - pinned)
+    held = pinned if _splits(cfg, n) else n * pinned  # else each GPU holds the whole state
+    if held > pinned:
+        host["replicas"] = held - pinned
+    host["pool_margin"] = max(0, pool - held)
     host["pool_bookkeeping"] = int(pool * POOL_BOOKKEEPING)
     host["runtime"] = int(RUNTIME)
     if cfg.loop.trainer == "reference":
@@ -137,8 +140,14 @@ def _pool_bytes(cfg: Config, pinned: int, measuring: bool = False) -> int:
     if cfg.stream.host_memory_gb:
         return int(cfg.stream.host_memory_gb * GiB)
     n = planned_devices(cfg)
-    share = pinned // n if cfg.model.hidden % n == 0 else pinned
+    share = pinned // n if _splits(cfg, n) else pinned
     return share + POOL_MARGIN + (measurement_bytes(cfg) if measuring else 0)
+
+
+def _splits(cfg: Config, n: int) -> bool:
+    """Whether the state's leaves split over n GPUs (stream/mesh.py splits a leaf along a
+    dimension n divides; every weight matrix has the model's width as one)."""
+    return cfg.model.hidden % n == 0
 
 
 def pool_limit_gib(cfg: Config, pinned: int, measuring: bool = False) -> int:

@@ -151,15 +151,18 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         (SAVED_BY_SAVING_LAYERS), so that layer_backward_saved neither fetches the weights
         nor recomputes the matmuls: (xs, saved)."""
         layer = jax.checkpoint(t.layer, policy=SAVED_BY_SAVING_LAYERS)  # per micro-batch
-        cast = (lambda w: w) if t.saving_dtype is None else \
-            (lambda w: jax.tree.map(lambda a: a.astype(t.saving_dtype), w))
+
+        def kept(w):  # the weights the checkpoint keeps: cast as the layer casts them, if it may
+            if t.saving_dtype is None:
+                return w
+            return jax.tree.map(lambda a: a.astype(t.saving_dtype), w)
 
         def forward(w, xs_):
             # The micro-batches run last to first, so that the backward, which takes them in
             # the opposite order, sums their weight gradients first to last in fp32, as
             # layer_backward's scan does: the same sums, bit for bit. The cast is the same
-            # for every micro-batch: the checkpoint keeps it once, the fp32 weights not at all.
-            return _flipped(jax.lax.map(lambda args: layer(cast(w), *args),
+            # for every micro-batch: JAX keeps it once, and the fp32 weights not at all.
+            return _flipped(jax.lax.map(lambda args: layer(kept(w), *args),
                                         _flipped((xs_, batch))))
 
         return jax.vjp(forward, params, xs)

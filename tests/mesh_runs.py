@@ -89,10 +89,36 @@ def compare(run_dir: str) -> dict:
         }
         if name == "host":
             np.testing.assert_allclose(stream_losses, ref_losses, rtol=1e-5)
+            out[name].update(_fetched(stream, state, cfg))
     train(loop_cfg(f"{run_dir}/straight", f"loop.steps={STEPS}"))
     train(loop_cfg(f"{run_dir}/stopped", f"loop.steps={STOP}", f"loop.checkpoint_every={STOP}"))
     out["straight"] = losses(f"{run_dir}/straight")
     return out
+
+
+def _fetched(stream, state, cfg) -> dict:
+    """The bytes one step copies from host to each device, and the bytes of the arrays
+    copied: a sharded fetch moves each byte over one link once."""
+    import collections
+
+    import jax
+
+    from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.stream.trace import Tracer
+
+    per_device, whole = collections.Counter(), [0]
+
+    class Fetches(Tracer):
+        def issued(self, lane, name, tree):
+            if lane == "h2d":
+                for leaf in jax.tree.leaves(tree):
+                    whole[0] += leaf.nbytes
+                    for shard in leaf.addressable_shards:
+                        per_device[shard.device.id] += shard.data.nbytes
+            return super().issued(lane, name, tree)
+
+    stream.engine.forward_backward(state.params, TokenSource(cfg).batch_at(0), tracer=Fetches())
+    return {"fetched_per_device": sorted(per_device.values()), "fetched_bytes": whole[0]}
 
 
 def resume(run_dir: str) -> dict:

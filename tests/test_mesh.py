@@ -63,6 +63,10 @@ def test_every_host_leaf_is_sharded_as_designed_in_pinned_host_memory(four):
     assert host["whole"] == ["()"]  # only the step counts are not split
     # Each device holds a quarter of the weights: one copy of the state over the mesh.
     assert host["host_shard_bytes"] * 4 == host["host_bytes"]
+    # And a step fetches a quarter to each device: the host sends its bytes once, not 4 times.
+    fetched = host["fetched_per_device"]
+    assert len(fetched) == 4 and len(set(fetched)) == 1
+    assert sum(fetched) == host["fetched_bytes"] > host["host_bytes"]  # forward + backward
     resident = out["device_resident"]
     assert resident["streamed_kinds"] == ["pinned_host"] and resident["not_as_designed"] == []
     assert "device" in resident["kinds"]

@@ -129,7 +129,7 @@ class StreamEngine:
     def init_state(self, init_embed: Callable, init_layer: Callable, init_head: Callable,
                    num_layers: int, on_part: Callable | None = None) -> StreamState:
         """Builds parameters part by part at home, then the optimizer state beside them.
-        `on_part(name)`, if given, follows each part's weights and each part's optimizer
+        `on_part(what)`, if given, follows each part's weights and each part's optimizer
         state once they are home (a progress bar's tick)."""
         params = self.placement.init_params(init_embed, init_layer, init_head, num_layers,
                                             on_part)

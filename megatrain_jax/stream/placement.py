@@ -230,21 +230,23 @@ class Placement:
                     num_layers: int, on_part: Callable | None = None) -> dict:
         """Parameters built part by part and moved home before the next is made: the whole
         model never exists on the device. `init_layer(i)` gives layer i's parameters.
-        `on_part(name)`, if given, follows each part once it is home."""
+        `on_part(what)`, if given, follows each part once it is home ("layer 3 weights")."""
         self.check(num_layers)
         makers = [init_embed, *(lambda i=i: init_layer(i) for i in range(num_layers)),
                   init_head]
-        return from_parts([_landed(self.place(make(), self.home(k)), on_part, k, num_layers)
-                           for k, make in enumerate(makers)])
+        return from_parts([_landed(self.place(make(), self.home(k)), on_part, f"{name} weights")
+                           for k, (make, name) in enumerate(zip(makers,
+                                                                part_names(num_layers)))])
 
     def init_opt_state(self, opt_init: Callable, params: dict,
                        on_part: Callable | None = None) -> dict:
         """Optax state of each part, created on the device and stored in the part's home;
-        `on_part(name)` as in init_params."""
+        `on_part(what)` as in init_params ("layer 3 optimizer state")."""
         on_host, on_device = self.host_jit(opt_init), self.device_jit(opt_init)
-        layers = len(params["layers"])
+        names = part_names(len(params["layers"]))
         return from_parts([_landed(on_device(p) if self.is_resident(k) else on_host(p),
-                                   on_part, k, layers) for k, p in enumerate(parts(params))])
+                                   on_part, f"{names[k]} optimizer state")
+                           for k, p in enumerate(parts(params))])
 
     def abstract_state(self, abstract_params: dict, opt_init: Callable) -> dict:
         """{"params", "opt_state"} as ShapeDtypeStructs in each part's home: a restore
@@ -256,11 +258,11 @@ class Placement:
                 for name, tree in (("params", abstract_params), ("opt_state", opt_state))}
 
 
-def _landed(part, on_part: Callable | None, k: int, layers: int):
-    """`part`, after telling `on_part` that it is in place (waiting for it first)."""
+def _landed(part, on_part: Callable | None, what: str):
+    """`part`, after telling `on_part` `what` is in place (waiting for it first)."""
     if on_part is not None:
         jax.block_until_ready(part)
-        on_part(part_names(layers)[k])
+        on_part(what)
     return part
 
 

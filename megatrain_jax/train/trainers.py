@@ -86,7 +86,7 @@ class StreamTrainer:
 
     def init(self, key, params: dict | None = None, on_part=None) -> StreamState:
         """Random parameters from `key`, or `params`, and their optimizer state, part by part;
-        `on_part(name)` follows each part's weights and optimizer state once home."""
+        `on_part(what)` follows each part's weights and optimizer state once home."""
         if params is not None:
             return self.engine.state_from_params(params, on_part=on_part)
         m = self.cfg.model
@@ -192,12 +192,7 @@ def initial_state(cfg: Config, trainer):
         bar.close()
     total = parts if params is not None else 2 * parts  # the optimizer state; the weights too
     bar = Progress(total, cfg.loop.progress, label="init", plain_every=max(total // 4, 1))
-
-    def landed(name: str) -> None:  # the weights (random init) first, then optimizer states
-        what = "weights" if params is None and bar.done < parts else "optimizer state"
-        bar.update(bar.done + 1, {"part": f"{name} {what}"})
-
-    state = trainer.init(None if params is not None else jax.random.key(cfg.loop.seed),
-                         params, on_part=landed)
+    state = trainer.init(None if params is not None else jax.random.key(cfg.loop.seed), params,
+                         on_part=lambda what: bar.update(bar.done + 1, {"part": what}))
     bar.close()
     return state

@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--mparams", type=int, default=202, help="parameters, millions")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--stream-gib", type=float, default=4.0)
+    parser.add_argument("--threads", default="15,12",
+                        help="thread counts to try beside all of them, comma-separated")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -79,6 +81,7 @@ def main() -> None:
     arrays = place.to_host([jnp.full((n,), v, jnp.float32) for v in (0.1, 1e-3, 1e-4, 1e-6)])
     jax.block_until_ready(arrays)
     views = [host_adamw.writable(a) for a in arrays]
+    leaf = [(view,) for view in views]  # the kernel takes a leaf's shards: here one
     scalars = (f(1.0), f(0.9), f(0.1), f(0.95), f(0.05), f(1e-8), f(0.1), f(0.05), f(-1e-5),
                f(0.01), False)  # fp32 moments: bias corrections divide
 
@@ -89,7 +92,7 @@ def main() -> None:
 
     def schedule(name):
         if name == "static":
-            return lambda: kernels.static(*views, *scalars)
+            return lambda: kernels.static(*leaf, *scalars)
         if name.startswith("threads"):
             threads = min(int(name.split("=")[1]), numba.config.NUMBA_NUM_THREADS)
 
@@ -97,7 +100,7 @@ def main() -> None:
                 previous = numba.get_num_threads()
                 numba.set_num_threads(threads)
                 try:
-                    kernels.static(*views, *scalars)
+                    kernels.static(*leaf, *scalars)
                 finally:
                     numba.set_num_threads(previous)
 
@@ -107,7 +110,7 @@ def main() -> None:
         def run():
             previous = numba.set_parallel_chunksize(chunk)
             try:
-                kernels.static(*views, *scalars)
+                kernels.static(*leaf, *scalars)
             finally:
                 numba.set_parallel_chunksize(previous)
 
@@ -144,7 +147,8 @@ def main() -> None:
             self.thread.join()
 
     rows = []
-    variants = ["static", "chunk=65536", "chunk=1048576", "threads=15", "threads=12"]
+    variants = ["static", "chunk=65536", "chunk=1048576",
+                *(f"threads={t}" for t in args.threads.split(",") if t)]
     for condition in ("alone", "h2d", "spin"):
         for variant in variants:
             run = schedule(variant)

@@ -6,7 +6,8 @@ The device count must be fixed before JAX starts, so the tests run these as subp
     compare DIR       20 steps on the mesh (guessing every update, undone where a step
                       clips; none dropped as late) against the one-device reference, the state's
                       shardings, then runs of the training loop in DIR (a straight one, and
-                      one that stops at a checkpoint for other device counts to resume)
+                      one that stops at a checkpoint for other device counts to resume), and
+                      the host kernel over split leaves against whole ones
     resume DIR        the stopped run resumed on this process's devices
     single            the steps of test_mesh's two-process run, in this one process
 """
@@ -93,7 +94,45 @@ def compare(run_dir: str) -> dict:
     train(loop_cfg(f"{run_dir}/straight", f"loop.steps={STEPS}"))
     train(loop_cfg(f"{run_dir}/stopped", f"loop.steps={STOP}", f"loop.checkpoint_every={STOP}"))
     out["straight"] = losses(f"{run_dir}/straight")
+    out["kernel_bits_equal"] = _kernel_bits()
     return out
+
+
+def _kernel_bits() -> dict:
+    """The host AdamW over leaves split four ways (along the first dimension, along another,
+    not at all) against the same leaves whole on one device: equal bit for bit, for fp32 and
+    bf16 gradients and moments, over three updates."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from megatrain_jax.optim.host_adamw import HostAdamW
+    from megatrain_jax.stream.placement import HOST_KIND, Placement
+
+    key = jax.random.key(3)
+    shapes = {"rows": (8, 6), "columns": (3, 8), "whole": (3, 5), "vector": (12,)}
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    result = {}
+    for grad_dtype in (jnp.float32, jnp.bfloat16):
+        for state_dtype in ("float32", "bfloat16"):
+            opt = HostAdamW(1e-2, weight_decay=0.1, state_dtype=state_dtype)
+            states = []
+            for placement in (Placement(), Placement(mesh=mesh)):
+                params = {k: jax.random.normal(jax.random.fold_in(key, i), shape)
+                          for i, (k, shape) in enumerate(shapes.items())}
+                p = placement.place(params, HOST_KIND)
+                s = placement.host_jit(opt.optax.init)(p)
+                for step in range(3):
+                    g = {k: (jax.random.normal(jax.random.fold_in(key, 10 * step + i), a.shape)
+                             * 1e-2).astype(grad_dtype) for i, (k, a) in enumerate(params.items())}
+                    g = placement.place(g, HOST_KIND)
+                    opt.update(p, g, s, scale=1.0 - 0.1 * step)
+                states.append([np.asarray(a).reshape(-1).view(np.uint8)
+                               for a in jax.tree.leaves((p, s))])
+            result[f"{jnp.dtype(grad_dtype).name} gradients, {state_dtype} moments"] = all(
+                np.array_equal(a, b) for a, b in zip(*states))
+    return result
 
 
 def _fetched(stream, state, cfg) -> dict:

@@ -56,6 +56,12 @@ def test_four_devices_equal_the_one_device_reference_over_twenty_clipped_steps(f
     assert resident["params_rel"] <= 1e-5
 
 
+def test_the_host_kernel_updates_every_shard_as_it_updates_the_whole_leaf(four):
+    _, out = four
+    assert len(out["kernel_bits_equal"]) == 4 and all(out["kernel_bits_equal"].values()), \
+        out["kernel_bits_equal"]
+
+
 def test_every_host_leaf_is_sharded_as_designed_in_pinned_host_memory(four):
     _, out = four
     host = out["host"]

@@ -113,29 +113,46 @@ def _adamw_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr,
     list(pool.map(run, range(0, p.size, chunk)))
 
 
+# Elements per task of the host kernel: each thread takes whole chunks, each within one shard.
+CHUNK = 1 << 16
+
+
 def _numba_kernel() -> Callable | None:
     if (tools := numba_tools()) is None:
         return None
     numba, widen, store, _, _ = tools
 
-    @numba.njit(parallel=True, nogil=True, fastmath=False, cache=True)
-    def adamw(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd, reciprocal):
-        """mu and nu fp32, or bf16 bits (compact.py's `bfloat16`: read widened, stored
-        rounded, the update from the fp32 values). bc1, bc2: the bias corrections, or with
+    # error_model="numpy": a division by zero gives inf rather than raising; without it (and
+    # with an index that could be negative) numba does not vectorize the loop.
+    @numba.njit(parallel=True, nogil=True, fastmath=False, cache=True, error_model="numpy")
+    def adamw(ps, gs, mus, nus, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, wd,
+              reciprocal):
+        """One leaf's update: ps, gs, mus, nus are tuples of its shards' flat views, every
+        shard the same size (a one-tuple on one device), all updated in one parallel loop.
+        mu and nu fp32, or bf16 bits (compact.py's `bfloat16`: read widened, stored rounded,
+        the update from the fp32 values). bc1, bc2: the bias corrections, or with
         `reciprocal` (compact moments) their reciprocals, by which compact.py multiplies."""
-        for i in numba.prange(p.size):
-            gi = widen(g[i]) * scale
-            m = omb1 * gi + b1 * widen(mu[i])
-            v = omb2 * (gi * gi) + b2 * widen(nu[i])
-            store(mu, i, m)
-            store(nu, i, v)
-            if reciprocal:
-                u = (m * bc1) / (np.sqrt(v * bc2) + eps)
-            else:
-                u = (m / bc1) / (np.sqrt(v / bc2) + eps)
-            if wd != 0:
-                u = u + wd * p[i]
-            p[i] = p[i] + neg_lr * u
+        size = ps[0].size
+        chunks = (size + CHUNK - 1) // CHUNK
+        for task in numba.prange(len(ps) * chunks):
+            shard = task // chunks
+            start = (task - shard * chunks) * CHUNK
+            stop = min(start + CHUNK, size)
+            p, g = ps[shard][start:stop], gs[shard][start:stop]
+            mu, nu = mus[shard][start:stop], nus[shard][start:stop]
+            for i in range(p.size):
+                gi = widen(g[i]) * scale
+                m = omb1 * gi + b1 * widen(mu[i])
+                v = omb2 * (gi * gi) + b2 * widen(nu[i])
+                store(mu, i, m)
+                store(nu, i, v)
+                if reciprocal:
+                    u = (m * bc1) / (np.sqrt(v * bc2) + eps)
+                else:
+                    u = (m / bc1) / (np.sqrt(v / bc2) + eps)
+                if wd != 0:
+                    u = u + wd * p[i]
+                p[i] = p[i] + neg_lr * u
 
     return adamw
 
@@ -238,13 +255,19 @@ class HostAdamW:
                      jax.tree.leaves(adam.nu, is_leaf=compact.is_moment), decays)
         for p, g, mu, nu, decay in leaves:
             wd = f(self.weight_decay if decay else 0.0)
-            for pv, gv, mv, nv, columns in _shards(p, g, mu, nu):
+            shards = _shards(p, g, mu, nu)
+            if not undo and self._numba is not None and not isinstance(mu, Int8Moment):
+                # fp32 or bf16 moments, every shard in one parallel loop: over a mesh, one
+                # loop a leaf rather than one a shard (each waits for its slowest thread)
+                for group in _equal_sizes(shards):
+                    self._numba(*(tuple(view[i] for view in group) for i in range(4)), *args,
+                                wd, compact_moments)
+                continue
+            for pv, gv, mv, nv, columns in shards:
                 if undo:
                     self._undo(pv, gv, mv, nv, *args, wd)
                 elif isinstance(mu, Int8Moment) and self._int8 is not None:
                     self._int8(pv, gv, *mv, *nv, columns, *args, wd, *host_compact.TABLES)
-                elif self._numba is not None:  # fp32 or bf16 moments (_int8 comes with it)
-                    self._numba(pv, gv, mv, nv, *args, wd, compact_moments)
                 elif compact_moments:  # fp32 vectors too: compact.py's arithmetic
                     self._compact_numpy(pv, gv, mv, nv, columns, args, wd)
                 else:
@@ -269,6 +292,14 @@ class HostAdamW:
             mu, nu = rows(as_values(mu)), rows(as_values(nu))
         compact.host_moments(rows(p), rows(g), mu, nu, scale, self.b1, self.b2, eps, rbc1, rbc2,
                              neg_lr, wd)
+
+
+def _equal_sizes(shards: list[tuple]) -> list[list[tuple]]:
+    """`_shards`' tuples grouped by size (one group for an even split or a copy per device)."""
+    groups: dict[int, list[tuple]] = {}
+    for shard in shards:
+        groups.setdefault(shard[0].size, []).append(shard)
+    return list(groups.values())
 
 
 def _shards(p, g, mu, nu) -> list[tuple]:

@@ -161,7 +161,7 @@ def run(cfg, trainer, state, args):
     tokens_per_s_not = steps_tokens_per_s(tokens, [t for t, g in zip(timed, flags) if not g])
     p = cfg.model.num_params
     model_flops = 6 * p * tokens_per_s
-    peak = peak_flops()
+    peak = peak_flops(engine.placement.devices if engine is not None else 1)
     host_kinds = memory_kinds((state.params, state.opt_state)) if engine else set()
     rss = host_rss_bytes()
     rss_parts = host_rss_parts_bytes()  # now, after the timed steps, before any measuring

@@ -35,12 +35,15 @@ def loop_cfg(run_dir, *overrides):
                 "loop.timeline_step=-1", "loop.tensorboard=off", *overrides)
 
 
-def losses(run_dir) -> dict:
+def metrics(run_dir) -> list[dict]:
     from pathlib import Path
 
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text()
-               .splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text()
+            .splitlines()]
+
+
+def losses(run_dir) -> dict:
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
 
 
 def compare(run_dir: str) -> dict:
@@ -51,6 +54,7 @@ def compare(run_dir: str) -> dict:
 
     from megatrain_jax.stream import speculation
     from megatrain_jax.stream.mesh import state_spec
+    from megatrain_jax.tools import machine
     from megatrain_jax.train import train
 
     out = {"devices": jax.device_count()}
@@ -91,9 +95,12 @@ def compare(run_dir: str) -> dict:
         if name == "host":
             np.testing.assert_allclose(stream_losses, ref_losses, rtol=1e-5)
             out[name].update(_fetched(stream, state, cfg))
+    machine.PEAK_FLOPS["cpu"] = 1e12  # a stand-in peak for each CPU device: MFU is shown
     train(loop_cfg(f"{run_dir}/straight", f"loop.steps={STEPS}"))
     train(loop_cfg(f"{run_dir}/stopped", f"loop.steps={STOP}", f"loop.checkpoint_every={STOP}"))
     out["straight"] = losses(f"{run_dir}/straight")
+    out["mfu"] = [(r["mfu"], r["tokens_per_s"]) for r in metrics(f"{run_dir}/straight")]
+    out["params"] = loop_cfg(run_dir).model.num_params
     out["kernel_bits_equal"] = _kernel_bits()
     return out
 

@@ -62,6 +62,13 @@ def test_the_host_kernel_updates_every_shard_as_it_updates_the_whole_leaf(four):
         out["kernel_bits_equal"]
 
 
+def test_mfu_over_four_devices_divides_by_their_four_peaks(four):
+    _, out = four
+    assert out["mfu"]
+    for mfu, tokens_per_s in out["mfu"]:
+        assert mfu == pytest.approx(6 * out["params"] * tokens_per_s / (4 * 1e12), rel=1e-9)
+
+
 def test_every_host_leaf_is_sharded_as_designed_in_pinned_host_memory(four):
     _, out = four
     host = out["host"]

@@ -15,9 +15,12 @@ import numpy as np
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12}
 
 
-def peak_flops() -> float | None:
+def peak_flops(devices: int = 1) -> float | None:
+    """The dense bf16 peak of `devices` devices like the first (a mesh's GPUs together), the
+    denominator of MFU; None for a device kind not in PEAK_FLOPS."""
     kind = jax.local_devices()[0].device_kind
-    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+    return peak * devices if peak else None
 
 
 def _device_stats() -> dict:

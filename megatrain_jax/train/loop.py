@@ -204,7 +204,7 @@ def _loop(cfg: Config, trainer, state, start: int, skipped: int, data: TokenSour
     run_dir, loop = Path(cfg.loop.run_dir), cfg.loop
     bar = Progress(loop.steps, loop.progress, plain_every=loop.log_every)
     board = _tensorboard(cfg, run_dir)
-    history, streak, peak = [], 0, peak_flops()
+    history, streak, peak = [], 0, peak_flops(trainer.devices)
     before_write = ckpt.wait_written if ckpt is not None else None  # a save may still read
     metrics_file = open(run_dir / "metrics.jsonl", "a")
     timer = time.perf_counter()

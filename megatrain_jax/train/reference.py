@@ -49,6 +49,7 @@ class ReferenceTrainer:
         self.lr = optim.learning_rate(cfg)
         self._train_step_jit = programs.jit(self._train_step, donate_argnums=0)
         self.put_params = jax.device_put  # where imported parameters go
+        self.devices = 1  # the whole model on the first device
         self._eval_loss = programs.jit(self._eval_loss_impl)
 
     def init(self, key, params: dict | None = None, on_part=None) -> TrainState:

@@ -83,6 +83,7 @@ class StreamTrainer:
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go
+        self.devices = self.engine.placement.devices  # the mesh's size (1: one device)
 
     def init(self, key, params: dict | None = None, on_part=None) -> StreamState:
         """Random parameters from `key`, or `params`, and their optimizer state, part by part;

@@ -64,7 +64,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     # state fills most of it), its allocator's bookkeeping, and the runtimes.
     pinned = sum(host[name] for name in PINNED)
     pool = n * pool_limit_gib(cfg, pinned) * GiB  # one allocator a GPU
-    held = pinned if _splits(cfg, n) else n * pinned  # else each GPU holds the whole state
+    held = n * _share(cfg, pinned, n)
     if held > pinned:
         host["replicas"] = held - pinned
     host["pool_margin"] = max(0, pool - held)
@@ -134,20 +134,19 @@ def pinned_bytes(cfg: Config) -> int:
 
 
 def _pool_bytes(cfg: Config, pinned: int, measuring: bool = False) -> int:
-    """One GPU's allocator: a mesh of n GPUs whose model width splits over them holds 1/n of
-    every part of the state on each (stream/mesh.py; leaves too small to split fit in the
-    margin); otherwise each may hold it whole."""
+    """One GPU's allocator: its share of the state, the margin, and the measurement's room."""
     if cfg.stream.host_memory_gb:
         return int(cfg.stream.host_memory_gb * GiB)
-    n = planned_devices(cfg)
-    share = pinned // n if _splits(cfg, n) else pinned
+    share = _share(cfg, pinned, planned_devices(cfg))
     return share + POOL_MARGIN + (measurement_bytes(cfg) if measuring else 0)
 
 
-def _splits(cfg: Config, n: int) -> bool:
-    """Whether the state's leaves split over n GPUs (stream/mesh.py splits a leaf along a
-    dimension n divides; every weight matrix has the model's width as one)."""
-    return cfg.model.hidden % n == 0
+def _share(cfg: Config, pinned: int, n: int) -> int:
+    """The bytes of `pinned` bytes of host state that each of n GPUs holds: 1/n where the
+    state's leaves split over them (stream/mesh.py splits a leaf along a dimension n divides,
+    and every weight matrix has the model's width as one; leaves too small to split fit in
+    the margin), else the whole (a replica each)."""
+    return pinned // n if cfg.model.hidden % n == 0 else pinned
 
 
 def pool_limit_gib(cfg: Config, pinned: int, measuring: bool = False) -> int:

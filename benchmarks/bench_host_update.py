@@ -1,5 +1,7 @@
 """The host AdamW under the conditions of a real step: alone, beside the weight stream (H2D
-from the same host memory), and beside a busy core (the runtime's and Python's threads).
+from the same host memory), beside every visible GPU's weight and gradient streams at once
+(H2D and D2H on each, as a mesh's step moves them), and beside a busy core (the runtime's and
+Python's threads).
 
     python benchmarks/bench_host_update.py [--mparams 202] [--repeats 6] [--out FILE]
 
@@ -105,7 +107,7 @@ def main() -> None:
                     numba.set_num_threads(previous)
 
             return fewer
-        chunk = int(name.split("=")[1])
+        chunk = int(name.split("=")[1])  # the kernel's tasks (host_adamw.CHUNK elements each)
 
         def run():
             previous = numba.set_parallel_chunksize(chunk)
@@ -116,10 +118,17 @@ def main() -> None:
 
         return run
 
-    # Background load: the weight stream (H2D of pinned buffers, as the forward does).
-    source = place.to_host([jnp.ones((int(args.stream_gib * 2**28) // 8,), jnp.float32)
-                            for _ in range(8)])
-    jax.block_until_ready(source)
+    # Background load: the weight stream (H2D of pinned buffers, as the forward does); and
+    # for "dma", on every GPU at once, that and a gradient stream (D2H) of half its size.
+    def stream_source(device, gib):
+        placed = Placement(device=device)
+        return placed, placed.to_host([jnp.ones((int(gib * 2**28) // 8,), jnp.float32,
+                                                device=device) for _ in range(8)])
+
+    source = stream_source(jax.devices()[0], args.stream_gib)[1]
+    streams = [(p, s, p.to_device(s[:4])) for p, s in
+               (stream_source(d, args.stream_gib / 2) for d in jax.devices())]
+    jax.block_until_ready((source, streams))
     stream_bytes = sum(a.nbytes for a in source)
 
     class Background:
@@ -133,6 +142,10 @@ def main() -> None:
                 if self.kind == "h2d":
                     jax.block_until_ready(place.to_device(source))
                     self.moved += stream_bytes
+                elif self.kind == "dma":  # each GPU's weights in, gradients out, at once
+                    moved = [(p.to_device(s), p.to_host(g)) for p, s, g in streams]
+                    jax.block_until_ready(moved)
+                    self.moved += sum(a.nbytes for a in jax.tree.leaves(moved))
                 else:
                     kernels.spin(20_000_000)
             self.seconds = time.perf_counter() - t0
@@ -147,9 +160,10 @@ def main() -> None:
             self.thread.join()
 
     rows = []
-    variants = ["static", "chunk=65536", "chunk=1048576",
+    # static: each thread one equal run of the tasks; dynamic=K: threads take K tasks at a time
+    variants = ["static", "dynamic=1", "dynamic=16",
                 *(f"threads={t}" for t in args.threads.split(",") if t)]
-    for condition in ("alone", "h2d", "spin"):
+    for condition in ("alone", "h2d", "dma", "spin"):
         for variant in variants:
             run = schedule(variant)
             if condition == "alone":
@@ -157,7 +171,7 @@ def main() -> None:
             else:
                 with Background(condition) as bg:
                     seconds = timed(run)
-                h2d = bg.moved / bg.seconds / 1e9 if condition == "h2d" else None
+                h2d = bg.moved / bg.seconds / 1e9 if condition in ("h2d", "dma") else None
             rows.append({"condition": condition, "variant": variant,
                          "gparams_per_s": n / seconds / 1e9, "h2d_gbps_beside": h2d})
 
@@ -170,11 +184,12 @@ def main() -> None:
     }
     h2d_alone = stream_bytes / timed(lambda: jax.block_until_ready(place.to_device(source))) / 1e9
     result = {"device": jax.devices()[0].device_kind, "params": n,
-              "numba_threads": numba.get_num_threads(),
+              "gpus": jax.device_count(), "numba_threads": numba.get_num_threads(),
               "threading_layer": numba.threading_layer(), "h2d_gbps_alone": h2d_alone,
               **bandwidth, "update_bytes_per_param": 28, "rows": rows}
     for r in rows:
-        beside = f"  H2D beside {r['h2d_gbps_beside']:.1f} GB/s" if r["h2d_gbps_beside"] else ""
+        beside = (f"  copies beside {r['h2d_gbps_beside']:.1f} GB/s" if r["h2d_gbps_beside"]
+                  else "")
         print(f"{r['condition']:6s} {r['variant']:14s} {r['gparams_per_s']:5.2f} G params/s "
               f"({28 * r['gparams_per_s']:.0f} GB/s){beside}", file=sys.stderr)
     print(f"memory: read {bandwidth['read_gbps']:.0f} copy {bandwidth['copy_gbps']:.0f} triad "

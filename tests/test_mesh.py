@@ -191,3 +191,7 @@ def test_the_plan_is_per_gpu_for_a_mesh_and_the_host_holds_one_state():
     assert two["device"]["workspace"] == one["device"]["workspace"]  # 16 rows per GPU each
     assert two["device"]["weights_in_flight"] < one["device"]["weights_in_flight"]
     assert two["device_total"] < one["device_total"]
+    # The host's bytes a step are one state's; the plan says each GPU's share of the batch.
+    lines = plan.traffic_lines(load_config("7b", ["mesh.data=4"]))
+    assert "each of the 4 computes 4 x 1,024 tokens a micro-batch" in lines[-1]
+    assert len(plan.traffic_lines(load_config("7b", ["mesh.data=1"]))) == 1

@@ -100,8 +100,14 @@ def traffic_lines(cfg: Config) -> list[str]:
         return []
     moved, held = host_traffic(cfg), streamed_params(cfg.model, cfg.stream.resident_layers)
     parts = ", ".join(f"{name} {n:.1f}" for name, n in moved.items())
-    return [f"host memory traffic a step: {sum(moved.values()):.1f} bytes a host-held "
-            f"parameter ({parts}), {sum(moved.values()) * held / 1e9:.0f} GB"]
+    lines = [f"host memory traffic a step: {sum(moved.values()):.1f} bytes a host-held "
+             f"parameter ({parts}), {sum(moved.values()) * held / 1e9:.0f} GB"]
+    if (n := planned_devices(cfg)) > 1:  # the host's share of a step does not divide by n
+        rows = cfg.data.batch_size // cfg.data.micro_batches // n
+        lines.append(f"  one state, the same bytes for any number of GPUs; each of the {n} "
+                     f"computes {rows} x {cfg.data.seq_len:,} tokens a micro-batch (give each "
+                     f"as many as one GPU alone takes, or the host's update paces the step)")
+    return lines
 
 
 def host_bytes_per_param(cfg: Config, gpu: int | None = None) -> dict[str, float]:

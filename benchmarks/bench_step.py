@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit  # noqa: E402
+from common import emit, still_falling  # noqa: E402
 from common import tokens_per_s as steps_tokens_per_s  # noqa: E402
 
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
@@ -153,6 +153,10 @@ def run(cfg, trainer, state, args):
 
     timed, tokens = times[args.warmup:], cfg.data.tokens_per_step
     step_s = statistics.median(timed)
+    if falling := still_falling(timed):
+        print(f"the timed steps were still getting faster ({timed[0]:.3f} s to {timed[-1]:.3f}"
+              " s): their median understates the settled rate; give --warmup more steps",
+              file=sys.stderr)
     tokens_per_s = tokens / step_s
     # The timed steps split by whether their own update ran during the backward: a median
     # over both mixes two regimes (the first steps after clipping ones do not guess).
@@ -202,6 +206,7 @@ def run(cfg, trainer, state, args):
         "params": p, "tokens_per_step": cfg.data.tokens_per_step,
         "devices": engine.placement.devices if engine is not None else 1,
         "tokens_per_s": tokens_per_s, "median_step_s": step_s, "step_s": times,
+        "timed_steps_falling": falling,
         "guessing": guessing, "tokens_per_s_guessing": tokens_per_s_guessing,
         "tokens_per_s_not_guessing": tokens_per_s_not,
         "model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,

@@ -2,6 +2,8 @@
 
 import io
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import tiny
@@ -177,3 +179,13 @@ def test_the_gpu_peak_is_the_fullest_device_s(monkeypatch):
     monkeypatch.setattr(jax, "local_devices", lambda: [Device(5), Device(9), Device(7)])
     assert machine.peak_device_bytes() == 9
     assert machine.memory_record()["device_bytes_now"] == 4
+
+
+def test_benchmarks_flag_timed_steps_still_getting_faster():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from common import still_falling
+
+    # call X4F (RESULTS.md, 2026-11-26): four GPUs first on a fresh machine, then one GPU
+    assert still_falling([2.87, 2.60, 2.28, 2.03, 2.41, 2.06, 2.18, 2.01])
+    assert not still_falling([1.73, 1.75, 1.70, 1.84, 1.74, 1.75, 1.74, 1.73])
+    assert not still_falling([2.60, 2.05, 1.80])  # too few to tell

@@ -85,3 +85,12 @@ def test_a_checkpoint_error_is_named_and_exits_3(tmp_path, capsys):
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 3
     err = capsys.readouterr().err
     assert err.startswith("megatrain-jax: checkpoint error:") and "no complete checkpoint" in err
+
+
+def test_the_help_names_every_config_section():
+    from megatrain_jax import cli
+    from megatrain_jax.config import Config
+
+    line = next(x for x in cli.EPILOG.splitlines() if x.startswith("Sections: "))
+    named = line.removeprefix("Sections: ").split(" (")[0].split(", ")
+    assert sorted(named) == sorted(Config.__dataclass_fields__)

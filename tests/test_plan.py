@@ -337,6 +337,9 @@ def test_bf16_layer_gradients_halve_their_host_bytes_and_traffic():
     for fp32_values in (["data.micro_batches=2"], ["model.compute_dtype=float32"]):
         assert roofline.gradient_bytes(load_config("7b", fp32_values)) == 4
     assert roofline.gradient_bytes(load_config("7b"), devices=2) == 4
+    # Unsaid, the devices are the run's: a mesh's gradients are fp32 sums, read by the update.
+    assert roofline.gradient_bytes(load_config("7b", ["mesh.data=2"])) == 4
+    assert roofline.update_bytes(load_config("7b", ["mesh.data=2"])) == 28
     layer_params = half.model.layers * half.model.params_per_layer
     saved = plan.estimate(fp32)["host"]["gradients"] - plan.estimate(half)["host"]["gradients"]
     assert saved == pytest.approx(2 * layer_params, abs=1)

@@ -90,8 +90,7 @@ def host_traffic(cfg: Config) -> dict[str, float]:
     the weights read for the forward and again for the backward (4 each; over a mesh each GPU
     reads its shard, so the weights are read once however many GPUs), the gradients written
     and the update's reads and writes (over a mesh the gradients are sums, in fp32)."""
-    n = planned_devices(cfg)
-    return {"weights": 8.0, "gradients": gradient_bytes(cfg, n), "update": update_bytes(cfg, n)}
+    return {"weights": 8.0, "gradients": gradient_bytes(cfg), "update": update_bytes(cfg)}
 
 
 def traffic_lines(cfg: Config) -> list[str]:

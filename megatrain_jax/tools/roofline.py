@@ -156,9 +156,8 @@ def _bound_at(cfg, rates: Rates, share: float) -> dict:
     """The bound of cfg's step. Over a mesh the rates are the mesh's (`measure` times a layer
     over it, and the links together, each carrying its shard), and the layer gradients are
     sums over the GPUs: fp32."""
-    n = planned_devices(cfg)
     return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
-                 grad_bytes=gradient_bytes(cfg, n), update_bytes=update_bytes(cfg, n),
+                 grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
                  speculate=share)
 
 
@@ -171,10 +170,12 @@ def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
                                host_memory_gbps=max(kernel_gbps, moved))
 
 
-def gradient_bytes(cfg, devices: int = 1) -> float:
-    """Bytes per host-held parameter of a step's gradients: layers' in bf16 where the engine
-    sends them so (stream.grad_dtype: config/auto.py), the rest fp32."""
+def gradient_bytes(cfg, devices: int | None = None) -> float:
+    """Bytes per host-held parameter of a step's gradients over `devices` GPUs (None: the
+    run's, `planned_devices`): layers' in bf16 where the engine sends them so
+    (stream.grad_dtype: config/auto.py), the rest fp32."""
     m, s = cfg.model, cfg.stream
+    devices = planned_devices(cfg) if devices is None else devices
     if layer_grad_dtype(cfg, devices) != "bfloat16":
         return 4.0
     streamed = streamed_params(m, s.resident_layers)
@@ -182,7 +183,7 @@ def gradient_bytes(cfg, devices: int = 1) -> float:
     return (2 * layers + 4 * (streamed - layers)) / max(streamed, 1)
 
 
-def update_bytes(cfg, devices: int = 1) -> float:
+def update_bytes(cfg, devices: int | None = None) -> float:
     """Host memory bytes per host-held parameter of the in-place update: the weights read and
     written (8), the gradients read (`gradient_bytes` over `devices`), both moments read and
     written as optim.state_dtype stores them (16 in fp32, 8 in bf16, about 4.06 in int8).
@@ -296,7 +297,7 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     rates = at_optimizer_rate(
         Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
               overlapped_update=engine.host_optimizer is not None),
-        optimizer_gparams or sample, max(alone, shared), update_bytes(cfg, planned_devices(cfg)))
+        optimizer_gparams or sample, max(alone, shared), update_bytes(cfg))
     return {**dataclasses.asdict(rates), **bound_for(cfg, rates),
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": alone,
             "host_memory_shared_gbps": shared}

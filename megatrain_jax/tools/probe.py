@@ -8,14 +8,19 @@ import os
 import subprocess
 
 
+def _visible() -> list[str] | None:
+    """The GPUs CUDA_VISIBLE_DEVICES names, in its order; None where it is not set."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if visible is None else [d.strip() for d in visible.split(",") if d.strip()]
+
+
 @functools.cache
 def gpu_count() -> int:
     """The GPUs the run may use: those CUDA_VISIBLE_DEVICES names where it is set (as JAX
     sees them), else those nvidia-smi lists (asked once: the fitting searches estimate many
     configs); 1 without any."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return max(len([d for d in visible.split(",") if d.strip()]), 1)
+    if (visible := _visible()) is not None:
+        return max(len(visible), 1)
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
@@ -39,7 +44,7 @@ def host_memory_available() -> int | None:
 def gpu_memory_bytes() -> int | None:
     """Total memory of the run's first GPU (CUDA_VISIBLE_DEVICES's first) from nvidia-smi;
     None without an NVIDIA GPU."""
-    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+    first = (_visible() or ["0"])[0]
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
                               "--format=csv,noheader,nounits", "-i", first],

@@ -69,6 +69,12 @@ def test_mfu_over_four_devices_divides_by_their_four_peaks(four):
         assert mfu == pytest.approx(6 * out["params"] * tokens_per_s / (4 * 1e12), rel=1e-9)
 
 
+def test_kept_weight_shards_train_the_same_bits_and_travel_once(four):
+    kept = four[1]["kept_weights"]
+    assert kept["kept_layers"] == 3 and kept["equal"]
+    assert kept["fetches_off"] == [2, 2, 2] and kept["fetches_on"] == [1, 1, 1]
+
+
 def test_every_host_leaf_is_sharded_as_designed_in_pinned_host_memory(four):
     _, out = four
     host = out["host"]

@@ -1,12 +1,14 @@
 """GPU memory of a streamed step, without JAX: the weights and gradients in flight, the saved
 layer inputs, one layer's working set, how the inputs split between GPU and host when GPU
-memory runs short (`stream.saved_inputs=auto`), and how many layers keep their attention's
-output for the backward in the room left (`stream.keep_attention=auto`).
+memory runs short (`stream.saved_inputs=auto`), how many layers keep their attention's
+output for the backward in the room left (`stream.keep_attention=auto`), and how many keep the
+weights their forward fetched, in the room left after that (`stream.keep_weights=auto`).
 
     acts = activations(cfg)                 # choices and bytes at cfg's batch and sequence
     device, host_saved = step_bytes(cfg, devices=1, gpu=141 * GiB)
     host_layers = saved_on_host(cfg, gpu, devices=1)   # what the trainer places for auto
     keeping = keep_attention_layers(cfg, gpu, devices=1)  # the last layers that keep it
+    weights = keep_weights_layers(cfg, gpu, devices=1)    # layers whose weights stay fetched
     lines = describe(cfg, room)             # what `megatrain-jax plan` prints
 
 Here, below the trainers, so that the trainer resolves `auto` by the same arithmetic as the
@@ -48,7 +50,34 @@ def step_bytes(cfg: Config, devices: int, gpu: int | None) -> tuple[dict, int]:
     device["saved_inputs"], on_host = saved_bytes(local, room)
     left = None if room is None else room - device["saved_inputs"]
     device["kept_attention"] = _keeping(local, devices, left) * kept_per_layer(local)
+    left = None if left is None else left - device["kept_attention"]
+    device["kept_weights"] = (_keeping_weights(local, devices, left)
+                              * weights_per_layer(local, devices))
     return device, on_host * devices  # every GPU's share, in the one host
+
+
+def keep_weights_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
+    """How many streamed layers, the last ones before the saving layers, keep on the GPU the
+    weights their forward fetched for their backward, which then fetches none, under
+    `stream.keep_weights`: `on` every such layer, `off` none, `auto` as many as the GPU room
+    left after the saved inputs and the kept attention holds (none where it is unknown)."""
+    device, _ = step_bytes(cfg, devices, gpu)
+    return device["kept_weights"] // weights_per_layer(cfg, devices)
+
+
+def weights_per_layer(cfg: Config, devices: int = 1) -> int:
+    """Bytes of one layer's fetched fp32 weights on each GPU (its 1/n shard over n GPUs)."""
+    return 4 * cfg.model.params_per_layer // devices
+
+
+def _keeping_weights(local: Config, devices: int, room: int | None) -> int:
+    s, m = local.stream, local.model
+    layers = max(0, m.layers - s.keep_layers - s.resident_layers)  # those fetched twice
+    if s.keep_weights != "auto":
+        return layers if s.keep_weights == "on" else 0
+    if room is None:
+        return 0
+    return max(0, min(layers, room // weights_per_layer(local, devices)))
 
 
 def keep_attention_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
@@ -275,6 +304,15 @@ def describe(cfg: Config, gpu: int | None, devices: int = 1) -> list[str]:
         n = keep_attention_layers(cfg, gpu, devices)
         line += (f": the last {n} layers keep it ({n * kept / GiB:.2f} GiB), their backward "
                  f"does not attend again" if n else ": none")
+    lines.append(line)
+    per, keep = weights_per_layer(cfg, devices), cfg.stream.keep_weights
+    line = f"  kept weights          {per / GiB:.2f} GiB per layer (stream.keep_weights={keep})"
+    if keep == "auto" and gpu is None:
+        line += ": as many layers as the GPU's room holds, found at the start"
+    else:
+        n = keep_weights_layers(cfg, gpu, devices)
+        line += (f": {n} layers keep them ({n * per / GiB:.2f} GiB), their backward fetches "
+                 f"none" if n else ": none")
     lines.append(line)
     lines.append("  per-layer working set (one micro-batch, the layer's backward; the MLP's "
                  "activations and the attention's gradients are not held at once):")

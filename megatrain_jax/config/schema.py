@@ -162,6 +162,12 @@ class StreamConfig:
     # GPU memory (`plan` counts it). For steps the GPU's compute paces (long batches); one
     # GPU (docs/guide.md).
     keep_layers: int = 0
+    # The last streamed layers before those keep on the GPU the weights their forward fetched,
+    # and their backward takes them instead of fetching them again (4 bytes a parameter less
+    # through the host's memory and the link, for as much GPU memory, 1/N a GPU of a mesh):
+    # on (every streamed layer), off, or auto (as many as the GPU's room holds after the saved
+    # inputs and the kept attention).
+    keep_weights: str = "off"
 
 
 @dataclass(frozen=True)
@@ -221,6 +227,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "stream.speculate": ("off", "auto", "on"),
     "stream.grad_dtype": ("auto", "float32", "bfloat16"),
     "stream.keep_attention": ("auto", "on", "off"),
+    "stream.keep_weights": ("auto", "on", "off"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),
     "loop.tensorboard": ("auto", "on", "off"),

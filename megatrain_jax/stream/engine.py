@@ -92,7 +92,8 @@ class StreamEngine:
                  saved_inputs: str = "device", micro_batches: int = 1,
                  learning_rate: Callable | None = None, device: jax.Device | None = None,
                  resident_layers: int = 0, speculate: str = "auto", speculate_share: float = 1.0,
-                 mesh: Mesh | None = None, keep_attention: int = 0, keep_layers: int = 0):
+                 mesh: Mesh | None = None, keep_attention: int = 0, keep_layers: int = 0,
+                 keep_weights: int = 0):
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, got {speculate!r}")
         if not 0 < speculate_share <= 1:
@@ -108,6 +109,8 @@ class StreamEngine:
             raise ValueError(f"keep_layers must be >= 0, got {keep_layers}")
         if keep_layers and self.placement.mesh is not None:
             raise ValueError("keep_layers runs on one device; over a mesh set it to 0")
+        if keep_weights < 0:
+            raise ValueError(f"keep_weights must be >= 0, got {keep_weights}")
         if self.placement.mesh is not None:
             templates = shard_templates(templates, self.placement.mesh)
         self.templates = templates
@@ -122,7 +125,7 @@ class StreamEngine:
         self.learning_rate = learning_rate
         self.programs = build_programs(templates, self.optimizer, clip_norm, self.placement)
         self.schedule = Schedule(self.programs, self.placement, prefetch_depth, keep_attention,
-                                 keep_layers)
+                                 keep_layers, keep_weights)
 
     # ----- state ---------------------------------------------------------------------------
 

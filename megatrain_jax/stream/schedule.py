@@ -7,7 +7,9 @@
 The last `keep_layers` layers' forward keeps what their backward needs (programs.layer_saving):
 their backward fetches nothing and recomputes only the cheap part of the layer. The
 `keep_attention` layers before them keep what their backward's recompute then takes instead
-of computing it again (their attention's output: programs.Templates).
+of computing it again (their attention's output: programs.Templates), and the `keep_weights`
+layers before them keep the weights their forward fetched, which their backward takes
+instead of fetching them again (over a mesh, each device its shard).
 
 Parts are indexed in streaming order (0 embed, 1..L layers, L+1 head) and named as
 `placement.part_names` names them. The loops only dispatch: programs compute, the placement
@@ -30,12 +32,12 @@ from megatrain_jax.stream.trace import Tracer
 
 class Schedule:
     def __init__(self, programs: Programs, placement: Placement, prefetch_depth: int = 2,
-                 keep_attention: int = 0, keep_layers: int = 0):
+                 keep_attention: int = 0, keep_layers: int = 0, keep_weights: int = 0):
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.programs, self.placement = programs, placement
         self.depth, self.keep_attention = prefetch_depth, keep_attention
-        self.keep_layers = keep_layers
+        self.keep_layers, self.keep_weights = keep_layers, keep_weights
 
     def forward_backward(self, params: dict, batch: dict, denom, pending, tracer: Tracer,
                          on_gradient: Callable | None = None):
@@ -68,6 +70,8 @@ class Schedule:
         saved, kept, offloads = [], [None] * layers, _InFlight(depth, tracer)
         saving = range(layers - min(self.keep_layers, layers), layers)
         keeping = range(max(0, saving.start - self.keep_attention), saving.start)
+        weighing = range(max(0, saving.start - self.keep_weights), saving.start)
+        fetched = [None] * layers  # the weights of `weighing` layers, kept for the backward
         computing = _InFlight(depth, tracer, "compute")  # the weights fetched ahead of it
         stream = _prefetched(range(1, layers + 2), fetch, depth, written)
         for i, w in zip(range(layers), stream):
@@ -83,6 +87,8 @@ class Schedule:
                 else:
                     xs = run.layer_forward(w, xs, batch)
             computing.add(tracer.issued("compute", f"forward {i}", xs))
+            if i in weighing:
+                fetched[i] = w
             del w
         loss, dxs, dhead, dembed_head, sq = run.head(next(stream), embed, xs, batch, denom)
         tracer.issued("compute", "head", dxs)
@@ -96,6 +102,11 @@ class Schedule:
         def fetch_back(i):  # layer i's weights and saved input on the device (none: saving)
             if i in saving:
                 return None, None
+            if fetched[i] is not None:  # the forward's: only a host-saved input travels
+                w, x, fetched[i] = fetched[i], saved[i], None
+                if place.in_host_memory(x):
+                    x = tracer.issued("h2d", f"input {i}", place.to_device(x))
+                return w, x
             return tracer.issued("h2d", names[i + 1], place.to_device((weights[i + 1], saved[i])))
 
         order = range(layers - 1, -1, -1)

@@ -80,6 +80,8 @@ class StreamTrainer:
             learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
             speculate=cfg.stream.speculate, speculate_share=cfg.stream.speculate_share,
             mesh=mesh, keep_attention=keep_attention(cfg, mesh), keep_layers=keep_layers(cfg, mesh),
+            keep_weights=memory.keep_weights_layers(cfg, device_memory_bytes(),
+                                                    mesh.size if mesh else 1),
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go

@@ -188,10 +188,12 @@ def run(cfg, trainer, state, args):
             max(roofline["optimizer_gparams"], roofline["optimizer_sample_gparams"]),
             max(roofline["host_memory_kernel_gbps"], roofline["host_memory_shared_gbps"]),
             update_bytes(cfg))
-        roofline["step_s_best_rate"] = bound_for(cfg, best)["step_s"]
+        kept = roofline["kept_layers"]
+        roofline["step_s_best_rate"] = bound_for(cfg, best, kept)["step_s"]
         # The bound without the host memory's traffic, comparable with bounds that lack it.
         roofline["step_s_no_host_memory"] = bound_for(
-            cfg, dataclasses.replace(Rates.from_result(roofline), host_memory_gbps=0.0))["step_s"]
+            cfg, dataclasses.replace(Rates.from_result(roofline), host_memory_gbps=0.0),
+            kept)["step_s"]
         roofline["ratio_no_host_memory"] = step_s / roofline["step_s_no_host_memory"]
         roofline["ratio"] = step_s / roofline["step_s"]
         roofline["ratio_best_rate"] = step_s / roofline["step_s_best_rate"]

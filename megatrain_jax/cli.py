@@ -110,7 +110,7 @@ def cmd_plan(args) -> int:
         if len(modes) > 1:
             print("host bytes per parameter by optim.state_dtype (with these gradients and "
                   "the runtime): " + ", ".join(f"{k} {v:.1f}" for k, v in modes.items()))
-    print("\n".join(memory.describe(cfg, gpu, est["devices"]) + planner.traffic_lines(cfg)))
+    print("\n".join(memory.describe(cfg, gpu, est["devices"]) + planner.traffic_lines(cfg, gpu)))
     where = "the machine of --host-gb/--gpu-gb" if target else "this machine"
     for name, have, need in (("host", host, est["host_total"]),
                              ("GPU", gpu, est["device_total"])):
@@ -148,10 +148,10 @@ def cmd_plan(args) -> int:
     else:
         from megatrain_jax.tools import roofline
 
-        resident = cfg.stream.resident_layers
-        b = roofline.bound_for(cfg, rates)
+        kept = memory.keep_weights_layers(cfg, gpu, est["devices"])
+        b = roofline.bound_for(cfg, rates, kept)
         tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step,
-                                               resident)
+                                               cfg.stream.resident_layers)
         host_rate = f"{rates.host_memory_gbps:.0f} GB/s" if rates.host_memory_gbps else "unmeasured"
         print(f"rates: H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, optimizer "
               f"{rates.optimizer_gparams:.2f} G params/s, host memory {host_rate}, "
@@ -160,7 +160,7 @@ def cmd_plan(args) -> int:
         print(f"step bound at these settings: {b['step_s']:.3f} s "
               f"({cfg.data.tokens_per_step / b['step_s']:,.0f} tokens/s; the largest cost: "
               f"{b['limited_by'].replace('_', ' ')})")
-        share, guessing = roofline.best_speculate_share(cfg, rates)
+        share, guessing = roofline.best_speculate_share(cfg, rates, kept)
         if share and roofline.can_guess(cfg):
             if cfg.stream.speculate != "off":
                 print(f"of which the update during the backward: {share:g} of it, in steps "

@@ -5,13 +5,15 @@ planner's count of the layers that keep them."""
 
 import jax
 import numpy as np
+import pytest
 from conftest import tiny
 
 from megatrain_jax import model
-from megatrain_jax.config import memory
+from megatrain_jax.config import load_config, memory
 from megatrain_jax.io.data import TokenSource
 from megatrain_jax.stream import Tracer
-from megatrain_jax.train import StreamTrainer
+from megatrain_jax.tools import plan, roofline
+from megatrain_jax.train import StreamTrainer, trainers
 
 GiB = 2**30
 
@@ -57,20 +59,29 @@ def test_kept_weights_travel_once_a_step_and_train_the_same_bits():
         np.testing.assert_array_equal(x, y)
 
 
+def test_auto_keeps_them_by_the_room_the_device_reports(monkeypatch):
+    cfg = tiny("model.layers=3")
+    assert cfg.stream.keep_weights == "auto"  # the default
+    assert StreamTrainer(cfg).engine.schedule.keep_weights == 0  # the room unknown (a CPU)
+    monkeypatch.setattr(trainers, "device_memory_bytes", lambda: 4 * GiB)
+    assert StreamTrainer(cfg).engine.schedule.keep_weights == 3  # room for every layer
+
+
 def test_the_planner_keeps_what_the_gpu_room_holds():
     cfg = memory.replaced(memory.replaced(tiny(), "model", layers=4), "stream",
                           keep_weights="auto")
     per = memory.weights_per_layer(cfg)
     assert per == 4 * cfg.model.params_per_layer
-    room_for = {}
-    for gpu in (1 * GiB, 4 * GiB):
-        device, _ = memory.step_bytes(cfg, 1, gpu)
-        room_for[gpu] = memory.keep_weights_layers(cfg, gpu)
-        assert device["kept_weights"] == room_for[gpu] * per
-    base, _ = memory.step_bytes(memory.replaced(cfg, "stream", keep_weights="off"), 1, 1 * GiB)
-    left = 1 * GiB - sum(base.values()) - memory.SPLIT_HEADROOM
-    assert room_for[1 * GiB] == max(0, min(4, left // per))
-    assert room_for[4 * GiB] == 4  # every layer
+    # Room for two and a half layers' weights beside the rest, the headroom and one more
+    # layer's working set free for the backward: two keep them.
+    base, _ = memory.step_bytes(memory.replaced(cfg, "stream", keep_weights="off"), 1, None)
+    free = memory.activations(cfg)["working_set_total"]
+    assert free > 4 * per  # without it free, all four would keep them
+    gpu = sum(base.values()) + memory.SPLIT_HEADROOM + free + 2 * per + per // 2
+    for room, layers in ((gpu, 2), (gpu - per, 1), (gpu - 3 * per, 0), (4 * GiB, 4)):
+        device, _ = memory.step_bytes(cfg, 1, room)
+        assert memory.keep_weights_layers(cfg, room) == layers
+        assert device["kept_weights"] == layers * per
     assert memory.keep_weights_layers(cfg, None) == 0  # the room unknown (a CPU)
     on = memory.replaced(cfg, "stream", keep_weights="on", resident_layers=1)
     assert memory.keep_weights_layers(on, None) == 3  # the streamed layers only
@@ -78,3 +89,29 @@ def test_the_planner_keeps_what_the_gpu_room_holds():
                                       4 * GiB) == 0
     # Over two GPUs each keeps its half of every layer.
     assert memory.weights_per_layer(cfg, 2) == per // 2
+
+
+def test_kept_weights_leave_the_backward_pass_out_of_the_bound_and_the_host_traffic():
+    """Four GPUs of 140 GiB keep every 7b layer's shard by the room (auto): the plan's host
+    traffic and the roofline's backward lose one pass of those layers' weights, not more."""
+    cfg = load_config("7b", ["mesh.data=4", "data.batch_size=64"])
+    gpu, m = plan.usable_gpu_bytes(141 * GiB), cfg.model
+    assert cfg.stream.keep_weights == "auto"
+    kept = memory.keep_weights_layers(cfg, gpu, 4)
+    assert kept == m.layers and memory.keep_weights_layers(cfg, None, 4) == 0
+    share = kept * m.params_per_layer / m.num_params  # of the host-held parameters
+    assert plan.host_traffic(cfg, gpu)["weights"] == pytest.approx(8 - 4 * share)
+    assert plan.host_traffic(cfg, None)["weights"] == 8.0  # the room unknown: none kept
+    rates = roofline.Rates(h2d_gbps=50.0, d2h_gbps=50.0, layer_forward_s=0.01,
+                           layer_backward_s=0.03, head_s=0.05, optimizer_gparams=6.0,
+                           host_memory_gbps=150.0)
+    serial = memory.replaced(cfg, "stream", speculate="off")  # the same share of the update
+    fetched, kept_ = roofline.bound_for(serial, rates), roofline.bound_for(serial, rates, kept)
+    pass_s = kept * m.params_per_layer * 4 / 150e9  # their weights' read in the host memory
+    assert kept_["host_memory_forward_s"] == pytest.approx(fetched["host_memory_forward_s"])
+    assert kept_["host_memory_backward_s"] == pytest.approx(
+        fetched["host_memory_backward_s"] - pass_s)
+    assert roofline.bound_for(cfg, rates, kept)["step_s"] < roofline.bound_for(cfg, rates)[
+        "step_s"]
+    lines = "\n".join(plan.traffic_lines(cfg, gpu))
+    assert f"weights {8 - 4 * share:.1f}" in lines

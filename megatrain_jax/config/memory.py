@@ -60,7 +60,8 @@ def keep_weights_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
     """How many streamed layers, the last ones before the saving layers, keep on the GPU the
     weights their forward fetched for their backward, which then fetches none, under
     `stream.keep_weights`: `on` every such layer, `off` none, `auto` as many as the GPU room
-    left after the saved inputs and the kept attention holds (none where it is unknown)."""
+    left after the saved inputs and the kept attention holds, less one more layer's working
+    set (none where the room is unknown)."""
     device, _ = step_bytes(cfg, devices, gpu)
     return device["kept_weights"] // weights_per_layer(cfg, devices)
 
@@ -77,6 +78,9 @@ def _keeping_weights(local: Config, devices: int, room: int | None) -> int:
         return layers if s.keep_weights == "on" else 0
     if room is None:
         return 0
+    # The kept weights are fetched all through the forward, as the kept attention is made:
+    # the backward's temporaries need one more layer's working set free beside them.
+    room -= activations(local)["working_set_total"]
     return max(0, min(layers, room // weights_per_layer(local, devices)))
 
 

@@ -165,9 +165,10 @@ class StreamConfig:
     # The last streamed layers before those keep on the GPU the weights their forward fetched,
     # and their backward takes them instead of fetching them again (4 bytes a parameter less
     # through the host's memory and the link, for as much GPU memory, 1/N a GPU of a mesh):
-    # on (every streamed layer), off, or auto (as many as the GPU's room holds after the saved
-    # inputs and the kept attention).
-    keep_weights: str = "off"
+    # auto (as many as the GPU's room holds after the saved inputs and the kept attention,
+    # with one more layer's working set free; none where the room is unknown), on (every
+    # streamed layer), off.
+    keep_weights: str = "auto"
 
 
 @dataclass(frozen=True)

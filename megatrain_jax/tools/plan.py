@@ -85,22 +85,24 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
             "device_total": sum(device.values()), "devices": n}
 
 
-def host_traffic(cfg: Config) -> dict[str, float]:
-    """Bytes through the host's memory a step, per host-held parameter, with the host update:
-    the weights read for the forward and again for the backward (4 each; over a mesh each GPU
-    reads its shard, so the weights are read once however many GPUs), the gradients written
-    and the update's reads and writes (over a mesh the gradients are sums, in fp32)."""
-    return {"weights": 8.0, "gradients": gradient_bytes(cfg), "update": update_bytes(cfg)}
+def host_traffic(cfg: Config, gpu: int | None = None) -> dict[str, float]:
+    """Host memory bytes a step per host-held parameter, host update on GPUs of `gpu` bytes:
+    the weights read for the forward and for the backward of the layers that do not keep
+    them (stream.keep_weights; once however many GPUs, each reading its shard), the gradients
+    written, the update's reads and writes (over a mesh the gradients are sums, in fp32)."""
+    kept = memory.keep_weights_layers(cfg, gpu, planned_devices(cfg)) * cfg.model.params_per_layer
+    weights = 8.0 - 4 * kept / streamed_params(cfg.model, cfg.stream.resident_layers)
+    return {"weights": weights, "gradients": gradient_bytes(cfg), "update": update_bytes(cfg)}
 
 
-def traffic_lines(cfg: Config) -> list[str]:
+def traffic_lines(cfg: Config, gpu: int | None = None) -> list[str]:
     """`plan`'s line on `host_traffic`, for runs that update on the host."""
     if cfg.loop.trainer != "stream" or not host_update(cfg):
         return []
-    moved, held = host_traffic(cfg), streamed_params(cfg.model, cfg.stream.resident_layers)
-    parts = ", ".join(f"{name} {n:.1f}" for name, n in moved.items())
-    lines = [f"host memory traffic a step: {sum(moved.values()):.1f} bytes a host-held "
-             f"parameter ({parts}), {sum(moved.values()) * held / 1e9:.0f} GB"]
+    moved, held = host_traffic(cfg, gpu), streamed_params(cfg.model, cfg.stream.resident_layers)
+    parts, total = ", ".join(f"{name} {n:.1f}" for name, n in moved.items()), sum(moved.values())
+    lines = [f"host memory traffic a step: {total:.1f} bytes a host-held parameter ({parts}), "
+             f"{total * held / 1e9:.0f} GB"]
     if (n := planned_devices(cfg)) > 1:  # the host's share of a step does not divide by n
         rows = cfg.data.batch_size // cfg.data.micro_batches // n
         lines.append(f"  one state, the same bytes for any number of GPUs; each of the {n} "

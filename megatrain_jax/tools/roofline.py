@@ -12,8 +12,9 @@ update, and the next forward needs each layer's update, so a step is at best
     forward  = max(layers' forward compute, one weight pass H2D, host optimizer,
                    host memory traffic of the update and the weight pass)
   + head     = head forward and backward, embedding backward
-  + backward = max(layers' backward compute, one weight pass H2D, gradients D2H,
-                   host memory traffic of the weight pass and the gradients)
+  + backward = max(layers' backward compute, one weight pass H2D (but the layers that keep
+                   the forward's: stream.keep_weights), gradients D2H,
+                   host memory traffic of that weight pass and the gradients)
 
 The head term is serial whatever the schedule: the head computes on the last layer's output
 with its own updated weights, so it follows the last part's update, and the backward starts
@@ -40,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
+import timeit
 
 from megatrain_jax.config import ModelConfig, host_update, layer_grad_dtype
 from megatrain_jax.config.memory import optimizer_bytes
@@ -71,7 +72,7 @@ class Rates:
 
 def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
           resident_layers: int = 0, grad_bytes: float = 4, update_bytes: float | None = None,
-          speculate: float = 0.0) -> dict:
+          speculate: float = 0.0, kept_layers: int = 0) -> dict:
     """Seconds per component and both bounds, for one step of `model` at the given rates.
 
     `grad_bytes`: bytes per streamed parameter of the gradients that travel to the host and
@@ -79,15 +80,16 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     `update_bytes`: host memory bytes per parameter of the host update (`update_bytes(cfg)`;
     None: fp32 moments, HOST_UPDATE_BYTES with the gradients at `grad_bytes`).
     `speculate`: the share of the update that runs beside the backward (a step whose guesses
-    stand, stream.speculate; True: all of it): that share's time and
-    bytes move from the forward to the backward, and the next forward still waits for one
-    part's update after the backward.
+    stand, stream.speculate; True: all of it): that share's time and bytes move from the
+    forward to the backward, and the next forward still waits for one part's update after it.
 
     `resident_layers` kept in GPU memory neither travel nor load the host: the link, the
     host optimizer and the host memory carry the other parameters only. (Their own update
-    runs on the GPU at memory speed, a few ms per billion parameters, and is left out.)
+    runs on the GPU at memory speed, a few ms per billion parameters, and is left out.) The
+    `kept_layers` keep the weights their forward fetched: the backward fetches the rest.
     """
     p = streamed_params(model, resident_layers)
+    refetched = 1 - kept_layers * model.params_per_layer / max(p, 1)  # the backward's share
     weight_pass = bytes_per_param * p / (rates.h2d_gbps * 1e9)
     gradients = grad_bytes * p / (rates.d2h_gbps * 1e9)
     forward = model.layers * rates.layer_forward_s
@@ -97,10 +99,11 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     if update_bytes is None:
         update_bytes = HOST_UPDATE_BYTES - (4 - grad_bytes)
     share = float(speculate) if rates.overlapped_update else 0.0
-    host = _host_memory_seconds(p, rates, bytes_per_param, grad_bytes, update_bytes, share)
-    ideal = max(forward + head + backward, 2 * weight_pass, gradients, optimizer,
-                host["forward"] + host["backward"])
-    backward_step = max(backward, weight_pass, gradients, host["backward"])
+    host = _host_memory_seconds(p, rates, bytes_per_param, grad_bytes, update_bytes, share,
+                                refetched)
+    h2d, host_total = (1 + refetched) * weight_pass, host["forward"] + host["backward"]
+    ideal = max(forward + head + backward, h2d, gradients, optimizer, host_total)
+    backward_step = max(backward, refetched * weight_pass, gradients, host["backward"])
     if share:
         last_layer = model.params_per_layer / (rates.optimizer_gparams * 1e9)
         step = (max(forward, weight_pass, (1 - share) * optimizer, host["forward"]) + head
@@ -114,8 +117,7 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
         "h2d_per_pass_s": weight_pass, "d2h_s": gradients, "optimizer_s": optimizer,
         "host_memory_forward_s": host["forward"], "host_memory_backward_s": host["backward"],
         "ideal_s": ideal, "step_s": step,
-        "limited_by": _limit(forward + head, backward, weight_pass, gradients, optimizer,
-                             host["forward"] + host["backward"]),
+        "limited_by": _limit(forward + head, backward, h2d, gradients, optimizer, host_total),
     }
 
 
@@ -124,14 +126,15 @@ def streamed_params(model: ModelConfig, resident_layers: int = 0) -> int:
     return model.num_params - resident_layers * model.params_per_layer
 
 
-def bound_for(cfg, rates: Rates) -> dict:
-    """`bound` of the step `cfg` trains: its resident layers, gradients' and update's bytes,
-    and, where it guesses (stream.speculate on or auto), a step whose guesses stand. The
-    guesses not started by the backward's end are dropped and done after it, so such a step
-    takes the best share of the update beside the backward, up to stream.speculate_share."""
-    if cfg.stream.speculate == "off" or not can_guess(cfg):
-        return _bound_at(cfg, rates, 0.0)
-    return _bound_at(cfg, rates, best_speculate_share(cfg, rates)[0])
+def bound_for(cfg, rates: Rates, kept_layers: int = 0) -> dict:
+    """`bound` of the step `cfg` trains: its resident layers, `kept_layers` (stream.keep_weights
+    as `memory.keep_weights_layers` resolves it), gradients' and update's bytes, and, where it
+    guesses (stream.speculate on or auto), a step whose guesses stand. The guesses not started
+    by the backward's end are dropped and done after it, so such a step takes the best share
+    of the update beside the backward, up to stream.speculate_share."""
+    guess = cfg.stream.speculate != "off" and can_guess(cfg)
+    share = best_speculate_share(cfg, rates, kept_layers)[0] if guess else 0.0
+    return _bound_at(cfg, rates, share, kept_layers)
 
 
 def can_guess(cfg) -> bool:
@@ -140,25 +143,25 @@ def can_guess(cfg) -> bool:
     return host_update(cfg) and cfg.optim.state_dtype == "float32"
 
 
-def best_speculate_share(cfg, rates: Rates) -> tuple[float, float]:
+def best_speculate_share(cfg, rates: Rates, kept_layers: int = 0) -> tuple[float, float]:
     """(share, bound seconds): the smallest share of the update beside the backward, in
     steps of 0.05 up to stream.speculate_share, whose bound is the shortest (a step whose
     guesses stand); 0 where guessing does not pay. The bound is flat from where the
     backward's host memory is full to where the forward's is no longer the limit."""
-    bounds = [(k / 20, _bound_at(cfg, rates, k / 20)["step_s"]) for k in range(21)
+    bounds = [(k / 20, _bound_at(cfg, rates, k / 20, kept_layers)["step_s"]) for k in range(21)
               if k / 20 <= cfg.stream.speculate_share + 1e-9]
     shortest = min(seconds for _, seconds in bounds)
     return next((share, seconds) for share, seconds in bounds
                 if seconds <= shortest * (1 + 1e-9))
 
 
-def _bound_at(cfg, rates: Rates, share: float) -> dict:
+def _bound_at(cfg, rates: Rates, share: float, kept_layers: int) -> dict:
     """The bound of cfg's step. Over a mesh the rates are the mesh's (`measure` times a layer
     over it, and the links together, each carrying its shard), and the layer gradients are
     sums over the GPUs: fp32."""
     return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
                  grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
-                 speculate=share)
+                 speculate=share, kept_layers=kept_layers)
 
 
 def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
@@ -192,21 +195,21 @@ def update_bytes(cfg, devices: int | None = None) -> float:
 
 
 def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int, grad_bytes: float,
-                         update_bytes: float, share: float) -> dict:
+                         update_bytes: float, share: float, refetched: float = 1.0) -> dict:
     """Seconds of host DRAM traffic in the forward (the weight pass and the overlapped
-    update but its speculated `share`) and in the backward (the weight pass, the gradients
-    and that share); 0 where the bandwidth is unknown. A device update is bound by the link,
-    not by host memory, so it adds nothing here."""
+    update but its speculated `share`) and in the backward (the `refetched` share of the
+    weight pass, the gradients and that share); 0 where the bandwidth is unknown. A device
+    update is bound by the link, not by host memory, so it adds nothing here."""
     if rates.host_memory_gbps <= 0:
         return {"forward": 0.0, "backward": 0.0}
     update = update_bytes if rates.overlapped_update else 0
     per_byte = params / (rates.host_memory_gbps * 1e9)
     return {"forward": (bytes_per_param + (1 - share) * update) * per_byte,
-            "backward": (bytes_per_param + grad_bytes + share * update) * per_byte}
+            "backward": (refetched * bytes_per_param + grad_bytes + share * update) * per_byte}
 
 
-def _limit(forward, backward, weight_pass, gradients, optimizer, host_memory) -> str:
-    costs = {"compute": forward + backward, "h2d": 2 * weight_pass, "d2h": gradients,
+def _limit(forward, backward, h2d, gradients, optimizer, host_memory) -> str:
+    costs = {"compute": forward + backward, "h2d": h2d, "d2h": gradients,
              "optimizer": optimizer, "host_memory": host_memory}
     return max(costs, key=costs.get)
 
@@ -242,12 +245,7 @@ def scaled(rates: Rates, factor: float) -> Rates:
 def median_seconds(fn, repeats: int = 3) -> float:
     """Median wall time of `repeats` calls of fn, after one warm-up call (compilation)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
@@ -260,7 +258,7 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     host memory's bandwidth is the largest of a streaming kernel's alone
     (`host_memory_kernel_gbps`), the same kernel's and a weight transfer's together
     (`host_memory_shared_gbps`: the DMA adds to what the kernel draws), and what the host
-    update moved at the optimizer's rate.
+    update moved at the optimizer's rate. `kept_layers`: those the engine keeps weights of.
     """
     import jax
     import jax.numpy as jnp
@@ -298,7 +296,8 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
         Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
               overlapped_update=engine.host_optimizer is not None),
         optimizer_gparams or sample, max(alone, shared), update_bytes(cfg))
-    return {**dataclasses.asdict(rates), **bound_for(cfg, rates),
+    kept = engine.schedule.keep_weights
+    return {**dataclasses.asdict(rates), **bound_for(cfg, rates, kept), "kept_layers": kept,
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": alone,
             "host_memory_shared_gbps": shared}
 

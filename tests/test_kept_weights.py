@@ -115,3 +115,10 @@ def test_kept_weights_leave_the_backward_pass_out_of_the_bound_and_the_host_traf
         "step_s"]
     lines = "\n".join(plan.traffic_lines(cfg, gpu))
     assert f"weights {8 - 4 * share:.1f}" in lines
+    # Saving layers (stream.keep_layers) fetch none for their backward either.
+    saving = load_config("7b", ["mesh.data=1", "stream.keep_layers=2", "stream.keep_weights=off"])
+    assert plan.host_traffic(saving, gpu)["weights"] == pytest.approx(
+        8 - 8 * m.params_per_layer / m.num_params)
+    off = memory.replaced(saving, "stream", keep_layers=0)
+    assert roofline.bound_for(saving, rates)["host_memory_backward_s"] == pytest.approx(
+        roofline.bound_for(off, rates, 2)["host_memory_backward_s"])

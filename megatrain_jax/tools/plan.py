@@ -87,11 +87,12 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
 
 def host_traffic(cfg: Config, gpu: int | None = None) -> dict[str, float]:
     """Host memory bytes a step per host-held parameter, host update on GPUs of `gpu` bytes:
-    the weights read for the forward and for the backward of the layers that do not keep
-    them (stream.keep_weights; once however many GPUs, each reading its shard), the gradients
-    written, the update's reads and writes (over a mesh the gradients are sums, in fp32)."""
-    kept = memory.keep_weights_layers(cfg, gpu, planned_devices(cfg)) * cfg.model.params_per_layer
-    weights = 8.0 - 4 * kept / streamed_params(cfg.model, cfg.stream.resident_layers)
+    the weights read for the forward and for the backward of the layers that keep none
+    (stream.keep_weights, keep_layers; once however many GPUs, each reading its shard), the
+    gradients written, the update's reads and writes (over a mesh the gradients are fp32)."""
+    kept = memory.keep_weights_layers(cfg, gpu, planned_devices(cfg)) + cfg.stream.keep_layers
+    held = streamed_params(cfg.model, cfg.stream.resident_layers)
+    weights = 8.0 - 4 * kept * cfg.model.params_per_layer / held
     return {"weights": weights, "gradients": gradient_bytes(cfg), "update": update_bytes(cfg)}
 
 
@@ -330,8 +331,7 @@ def checkpoint_bytes(cfg: Config) -> int:
 def checkpoint_disk(cfg: Config) -> dict:
     """What the run's checkpoints need on the disk of RUN_DIR/checkpoints: `each` checkpoint,
     `needed` free (keep_checkpoints + 1 at once, less those already there) and `free`."""
-    folder = f"{cfg.loop.run_dir}/checkpoints"
-    each = checkpoint_bytes(cfg)
+    folder, each = f"{cfg.loop.run_dir}/checkpoints", checkpoint_bytes(cfg)
     return {"folder": folder, "each": each, "free": checkpoint.free_bytes(folder),
             "needed": checkpoint.room_needed(folder, cfg.loop.keep_checkpoints, each)}
 

@@ -158,10 +158,10 @@ def best_speculate_share(cfg, rates: Rates, kept_layers: int = 0) -> tuple[float
 def _bound_at(cfg, rates: Rates, share: float, kept_layers: int) -> dict:
     """The bound of cfg's step. Over a mesh the rates are the mesh's (`measure` times a layer
     over it, and the links together, each carrying its shard), and the layer gradients are
-    sums over the GPUs: fp32."""
+    sums over the GPUs: fp32. The saving layers (stream.keep_layers) fetch none either."""
     return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
                  grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
-                 speculate=share, kept_layers=kept_layers)
+                 speculate=share, kept_layers=kept_layers + cfg.stream.keep_layers)
 
 
 def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,

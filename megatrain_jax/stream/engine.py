@@ -15,7 +15,9 @@ live in GPU memory (placement.py) and are updated there by donation, beside the 
 The last `keep_attention` layers' forward keeps what their backward's recompute then takes
 instead of computing it again (Templates.layer_keeping: the attention's output, on the GPU).
 The last `keep_layers` layers' forward keeps its matmuls' outputs on the GPU: their backward
-fetches no weights and recomputes only the rest of the layer (programs.layer_saving).
+fetches no weights and recomputes only the rest of the layer (programs.layer_saving). The
+`keep_weights` streamed layers before them keep the weights their forward fetched (over a
+mesh each device its shard), and their backward takes those instead of fetching them again.
 
     engine = StreamEngine(templates, optimizer, clip_norm=1.0)
     state = engine.init_state(init_embed, init_layer, init_head, num_layers)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from megatrain_jax.config import load_config
+from megatrain_jax.stream.trace import Tracer
 
 jax.config.update("jax_platforms", "cpu")
 
@@ -14,6 +15,19 @@ jax.config.update("jax_platforms", "cpu")
 def tiny(*overrides):
     """The shipped tiny config in fp32, with overrides."""
     return load_config("tiny", ["model.compute_dtype=float32", *overrides])
+
+
+class Transfers(Tracer):
+    """The names of the host-to-device copies a step issues, in order (`h2d`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.h2d: list[str] = []
+
+    def issued(self, lane, name, tree):
+        if lane == "h2d":
+            self.h2d.append(name)
+        return super().issued(lane, name, tree)
 
 
 def max_rel_error(a, b) -> float:

@@ -111,33 +111,22 @@ def _kept_weights() -> dict:
     backward, against fetching them again: the same bits, and each layer fetched once."""
     import jax
     import numpy as np
-    from conftest import tiny
+    from conftest import Transfers, tiny
 
     from megatrain_jax.io.data import TokenSource
-    from megatrain_jax.stream import Tracer
     from megatrain_jax.train import StreamTrainer
-
-    class Fetches(Tracer):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def issued(self, lane, name, tree):
-            if lane == "h2d":
-                self.names.append(name)
-            return tree
 
     runs = {}
     for keep in ("off", "on"):
         cfg = tiny(*COMPARED, f"stream.keep_weights={keep}")
-        trainer, data, fetches = StreamTrainer(cfg), TokenSource(cfg), Fetches()
+        trainer, data, fetches = StreamTrainer(cfg), TokenSource(cfg), Transfers()
         state = trainer.init(jax.random.key(0))
         for step in range(4):
             state, _ = trainer.train_step(state, data.batch_at(step),
                                           tracer=fetches if step == 3 else None)
         state.wait()
         runs[keep] = ([np.asarray(a) for a in jax.tree.leaves((state.params, state.opt_state))],
-                      [fetches.names.count(f"layer {i}") for i in range(3)],
+                      [fetches.h2d.count(f"layer {i}") for i in range(3)],
                       trainer.engine.schedule.keep_weights)
     return {"equal": all(np.array_equal(a, b) for a, b in zip(runs["off"][0], runs["on"][0])),
             "fetches_off": runs["off"][1], "fetches_on": runs["on"][1],

@@ -7,27 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import agrees_with_reference_while_clipping, max_rel_error, tiny
+from conftest import Transfers, agrees_with_reference_while_clipping, max_rel_error, tiny
 
 from megatrain_jax import model, optim
 from megatrain_jax.config import ConfigError, load_config, memory
 from megatrain_jax.io.data import TokenSource
 from megatrain_jax.stream import StreamEngine
-from megatrain_jax.stream.trace import Tracer
 from megatrain_jax.train import trainers
-
-
-class _Transfers(Tracer):
-    """The names of the host-to-device copies a step issued."""
-
-    def __init__(self):
-        super().__init__()
-        self.h2d: list[str] = []
-
-    def issued(self, lane, name, tree):
-        if lane == "h2d":
-            self.h2d.append(name)
-        return super().issued(lane, name, tree)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
@@ -42,7 +28,7 @@ def _forward_backward(cfg, params, keep_layers: int):
     engine = StreamEngine(trainers.llama_templates(cfg), optim.build_stream_optimizer(cfg),
                           keep_layers=keep_layers)
     state = engine.state_from_params(params)
-    tracer = _Transfers()
+    tracer = Transfers()
     loss, grads, *_ = engine.forward_backward(state.params, TokenSource(cfg).batch_at(0),
                                               tracer=tracer)
     return float(loss), jax.tree.map(np.asarray, grads), tracer.h2d

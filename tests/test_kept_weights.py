@@ -6,36 +6,22 @@ planner's count of the layers that keep them."""
 import jax
 import numpy as np
 import pytest
-from conftest import tiny
+from conftest import Transfers, tiny
 
 from megatrain_jax import model
 from megatrain_jax.config import load_config, memory
 from megatrain_jax.io.data import TokenSource
-from megatrain_jax.stream import Tracer
 from megatrain_jax.tools import plan, roofline
 from megatrain_jax.train import StreamTrainer, trainers
 
 GiB = 2**30
 
 
-class _Transfers(Tracer):
-    """Names of the host -> device copies a step issues."""
-
-    def __init__(self):
-        super().__init__()
-        self.h2d: list[str] = []
-
-    def issued(self, lane, name, tree):
-        if lane == "h2d":
-            self.h2d.append(name)
-        return tree
-
-
 def _run(*overrides, steps=3):
     cfg = tiny("model.layers=3", "data.batch_size=4", "optim.lr=1e-2", *overrides)
     trainer, data = StreamTrainer(cfg), TokenSource(cfg)
     state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
-    transfers = _Transfers()
+    transfers = Transfers()
     for step in range(steps):
         state, _ = trainer.train_step(state, data.batch_at(step),
                                       tracer=transfers if step == steps - 1 else None)

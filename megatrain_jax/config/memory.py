@@ -19,6 +19,7 @@ follow config/auto.py, the rules the model itself runs by.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from megatrain_jax.config import auto
 from megatrain_jax.config.schema import MOMENT_BLOCK, Config, layer_grad_dtype
@@ -300,27 +301,28 @@ def describe(cfg: Config, gpu: int | None, devices: int = 1) -> list[str]:
         lines.append(f"  split by GPU room     {on_gpu} layers' inputs on the GPU "
                      f"({on_gpu * per / GiB:.2f} GiB), {on_host} on pinned host "
                      f"({on_host * per / GiB:.2f} GiB){now}")
-    kept, keep = kept_per_layer(cfg), cfg.stream.keep_attention
-    line = f"  kept attention        {kept / GiB:.2f} GiB per layer (stream.keep_attention={keep})"
-    if keep == "auto" and gpu is None:
-        line += ": as many layers as the GPU's room holds, found at the start"
-    else:
-        n = keep_attention_layers(cfg, gpu, devices)
-        line += (f": the last {n} layers keep it ({n * kept / GiB:.2f} GiB), their backward "
-                 f"does not attend again" if n else ": none")
-    lines.append(line)
-    per, keep = weights_per_layer(cfg, devices), cfg.stream.keep_weights
-    line = f"  kept weights          {per / GiB:.2f} GiB per layer (stream.keep_weights={keep})"
-    if keep == "auto" and gpu is None:
-        line += ": as many layers as the GPU's room holds, found at the start"
-    else:
-        n = keep_weights_layers(cfg, gpu, devices)
-        line += (f": {n} layers keep them ({n * per / GiB:.2f} GiB), their backward fetches "
-                 f"none" if n else ": none")
-    lines.append(line)
+    lines.append(_kept_line(cfg, gpu, "attention", kept_per_layer(cfg),
+                            lambda: keep_attention_layers(cfg, gpu, devices),
+                            "the last {n} layers keep it ({gib:.2f} GiB), their backward does "
+                            "not attend again"))
+    lines.append(_kept_line(cfg, gpu, "weights", weights_per_layer(cfg, devices),
+                            lambda: keep_weights_layers(cfg, gpu, devices),
+                            "{n} layers keep them ({gib:.2f} GiB), their backward fetches none"))
     lines.append("  per-layer working set (one micro-batch, the layer's backward; the MLP's "
                  "activations and the attention's gradients are not held at once):")
     for name, n in acts["working_set"].items():
         lines.append(f"    {name:22s}{n / GiB:8.2f} GiB")
     lines.append(f"    {'total':22s}{acts['working_set_total'] / GiB:8.2f} GiB")
     return lines
+
+
+def _kept_line(cfg: Config, gpu: int | None, what: str, per: int, layers: Callable[[], int],
+               keeping: str) -> str:
+    """`describe`'s line on stream.keep_<what>: bytes per layer, and how many layers keep it
+    (`keeping` said of them), or that `auto` finds them at the start where the GPU is unknown."""
+    setting = getattr(cfg.stream, f"keep_{what}")
+    line = f"  {'kept ' + what:22s}{per / GiB:.2f} GiB per layer (stream.keep_{what}={setting})"
+    if setting == "auto" and gpu is None:
+        return line + ": as many layers as the GPU's room holds, found at the start"
+    n = layers()
+    return line + (": " + keeping.format(n=n, gib=n * per / GiB) if n else ": none")

@@ -221,6 +221,7 @@ def run(cfg, trainer, state, args):
         # Layers whose inputs waited on pinned host (stream.saved_inputs; auto's split).
         "saved_inputs_on_host": engine.placement.host_inputs if engine is not None else None,
         "layers_keeping_attention": engine.schedule.keep_attention if engine is not None else None,
+        "layers_keeping_weights": engine.schedule.keep_weights if engine is not None else None,
         "losses": losses, "grad_norms": norms,
         "speculated_parts": [g for g, _ in guesses], "rolled_back_parts": [r for _, r in guesses],
         "update": "host" if getattr(engine, "host_optimizer", None) else "device",

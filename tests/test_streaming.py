@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import max_rel_error
+from conftest import Transfers, max_rel_error
 from flax import nnx
 
 from megatrain_jax import streaming
@@ -61,13 +61,18 @@ def _as_parts(pure: dict) -> dict:
             "layers": [blocks[i] for i in sorted(blocks, key=int)]}
 
 
-@pytest.mark.parametrize("keep_layers", [0, 2])
-def test_nnx_gradients_equal_flax_grad(keep_layers):
+@pytest.mark.parametrize("options", [{}, {"keep_layers": 2}, {"keep_weights": 2}])
+def test_nnx_gradients_equal_flax_grad(options):
     batch = _nnx_batch()
     step = streaming.from_nnx(*nnx_example.build(), nnx_example.summed_loss, optax.sgd(0.1),
-                              micro_batches=2, keep_layers=keep_layers)
+                              micro_batches=2, **options)
     state = step.init_state()
-    loss, grads, *_ = step.engine.forward_backward(state.params, batch)
+    transfers = Transfers()
+    loss, grads, *_ = step.engine.forward_backward(state.params, batch, tracer=transfers)
+    layers = len(state.params["layers"])
+    once = {f"layer {i}" for i in range(layers - sum(options.values()), layers)}
+    assert all(transfers.h2d.count(name) == (1 if name in once else 2)
+               for name in (f"layer {i}" for i in range(layers)))
     model = WholeModel(*nnx_example.build())
     ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(_nnx_ordinary_loss))(model, batch)
     ref = _as_parts(nnx.to_pure_dict(ref_grads))

@@ -148,7 +148,7 @@ def cmd_plan(args) -> int:
     else:
         from megatrain_jax.tools import roofline
 
-        kept = memory.keep_weights_layers(cfg, gpu, est["devices"])
+        kept = memory.unfetched_layers(cfg, gpu, est["devices"])
         b = roofline.bound_for(cfg, rates, kept)
         tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step,
                                                cfg.stream.resident_layers)

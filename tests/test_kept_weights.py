@@ -106,5 +106,9 @@ def test_kept_weights_leave_the_backward_pass_out_of_the_bound_and_the_host_traf
     assert plan.host_traffic(saving, gpu)["weights"] == pytest.approx(
         8 - 8 * m.params_per_layer / m.num_params)
     off = memory.replaced(saving, "stream", keep_layers=0)
-    assert roofline.bound_for(saving, rates)["host_memory_backward_s"] == pytest.approx(
+    assert memory.unfetched_layers(saving, gpu) == 2 and memory.unfetched_layers(off, gpu) == 0
+    assert roofline.bound_for(saving, rates, memory.unfetched_layers(saving, gpu))[
+        "host_memory_backward_s"] == pytest.approx(
         roofline.bound_for(off, rates, 2)["host_memory_backward_s"])
+    assert roofline.bound_for(off, rates, 2)["host_memory_backward_s"] < \
+        roofline.bound_for(off, rates)["host_memory_backward_s"]

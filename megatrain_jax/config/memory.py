@@ -67,6 +67,12 @@ def keep_weights_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
     return device["kept_weights"] // weights_per_layer(cfg, devices)
 
 
+def unfetched_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
+    """The layers whose backward fetches no weights, taking those its forward kept: the
+    saving layers (stream.keep_layers) and those that keep their weights (keep_weights)."""
+    return keep_weights_layers(cfg, gpu, devices) + cfg.stream.keep_layers
+
+
 def weights_per_layer(cfg: Config, devices: int = 1) -> int:
     """Bytes of one layer's fetched fp32 weights on each GPU (its 1/n shard over n GPUs)."""
     return 4 * cfg.model.params_per_layer // devices

@@ -90,7 +90,7 @@ def host_traffic(cfg: Config, gpu: int | None = None) -> dict[str, float]:
     the weights read for the forward and for the backward of the layers that keep none
     (stream.keep_weights, keep_layers; once however many GPUs, each reading its shard), the
     gradients written, the update's reads and writes (over a mesh the gradients are fp32)."""
-    kept = memory.keep_weights_layers(cfg, gpu, planned_devices(cfg)) + cfg.stream.keep_layers
+    kept = memory.unfetched_layers(cfg, gpu, planned_devices(cfg))
     held = streamed_params(cfg.model, cfg.stream.resident_layers)
     weights = 8.0 - 4 * kept * cfg.model.params_per_layer / held
     return {"weights": weights, "gradients": gradient_bytes(cfg), "update": update_bytes(cfg)}

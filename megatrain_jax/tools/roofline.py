@@ -86,7 +86,7 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     `resident_layers` kept in GPU memory neither travel nor load the host: the link, the
     host optimizer and the host memory carry the other parameters only. (Their own update
     runs on the GPU at memory speed, a few ms per billion parameters, and is left out.) The
-    `kept_layers` keep the weights their forward fetched: the backward fetches the rest.
+    `kept_layers` take weights their forward kept: the backward fetches the rest.
     """
     p = streamed_params(model, resident_layers)
     refetched = 1 - kept_layers * model.params_per_layer / max(p, 1)  # the backward's share
@@ -127,8 +127,8 @@ def streamed_params(model: ModelConfig, resident_layers: int = 0) -> int:
 
 
 def bound_for(cfg, rates: Rates, kept_layers: int = 0) -> dict:
-    """`bound` of the step `cfg` trains: its resident layers, `kept_layers` (stream.keep_weights
-    as `memory.keep_weights_layers` resolves it), gradients' and update's bytes, and, where it
+    """`bound` of the step `cfg` trains: its resident layers, `kept_layers` whose backward
+    fetches no weights (`memory.unfetched_layers`), gradients' and update's bytes, and, where it
     guesses (stream.speculate on or auto), a step whose guesses stand. The guesses not started
     by the backward's end are dropped and done after it, so such a step takes the best share
     of the update beside the backward, up to stream.speculate_share."""
@@ -158,10 +158,10 @@ def best_speculate_share(cfg, rates: Rates, kept_layers: int = 0) -> tuple[float
 def _bound_at(cfg, rates: Rates, share: float, kept_layers: int) -> dict:
     """The bound of cfg's step. Over a mesh the rates are the mesh's (`measure` times a layer
     over it, and the links together, each carrying its shard), and the layer gradients are
-    sums over the GPUs: fp32. The saving layers (stream.keep_layers) fetch none either."""
+    sums over the GPUs: fp32."""
     return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
                  grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
-                 speculate=share, kept_layers=kept_layers + cfg.stream.keep_layers)
+                 speculate=share, kept_layers=kept_layers)
 
 
 def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
@@ -258,7 +258,8 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     host memory's bandwidth is the largest of a streaming kernel's alone
     (`host_memory_kernel_gbps`), the same kernel's and a weight transfer's together
     (`host_memory_shared_gbps`: the DMA adds to what the kernel draws), and what the host
-    update moved at the optimizer's rate. `kept_layers`: those the engine keeps weights of.
+    update moved at the optimizer's rate. `kept_layers`: the engine's whose backward fetches
+    no weights (its saving layers and those keeping the forward's weights).
     """
     import jax
     import jax.numpy as jnp
@@ -296,7 +297,7 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
         Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
               overlapped_update=engine.host_optimizer is not None),
         optimizer_gparams or sample, max(alone, shared), update_bytes(cfg))
-    kept = engine.schedule.keep_weights
+    kept = engine.schedule.keep_weights + engine.schedule.keep_layers
     return {**dataclasses.asdict(rates), **bound_for(cfg, rates, kept), "kept_layers": kept,
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": alone,
             "host_memory_shared_gbps": shared}

@@ -75,7 +75,7 @@ def main() -> None:
 
     from megatrain_jax.optim import host_adamw
     from megatrain_jax.stream.placement import Placement
-    from megatrain_jax.tools.roofline import median_seconds
+    from megatrain_jax.tools.measure import median_seconds
 
     place = Placement()
     n = args.mparams * 10**6

@@ -54,7 +54,7 @@ def main() -> None:
     from megatrain_jax import model, optim
     from megatrain_jax.optim.host_adamw import HostAdamW
     from megatrain_jax.stream.placement import Placement
-    from megatrain_jax.tools.roofline import median_seconds
+    from megatrain_jax.tools.measure import median_seconds
 
     place = Placement()
     opt = HostAdamW(1e-4, 0.9, 0.95, 1e-8, weight_decay=0.1, mask=optim.decay_mask)

@@ -39,7 +39,7 @@ def main() -> None:
 
     from megatrain_jax.optim import HostAdamW, decay_mask, host_adamw
     from megatrain_jax.stream.placement import Placement
-    from megatrain_jax.tools.roofline import median_seconds
+    from megatrain_jax.tools.measure import median_seconds
 
     rng = np.random.default_rng(0)
     shape, place = (args.rows, args.columns), Placement()

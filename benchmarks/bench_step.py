@@ -40,8 +40,8 @@ from megatrain_jax.tools.roofline import (  # noqa: E402
     Rates,
     at_optimizer_rate,
     bound_for,
-    measure,
-    streamed_params,
+    host_params,
+    placed,
     update_bytes,
 )
 
@@ -103,6 +103,7 @@ def run(cfg, trainer, state, args):
         peak_device_bytes,
         peak_flops,
     )
+    from megatrain_jax.tools.measure import measure
 
     data = TokenSource(cfg)
 
@@ -179,7 +180,8 @@ def run(cfg, trainer, state, args):
         # (median), else a 64M-parameter sample's. The bound at the better of the two rates
         # is reported beside it (`step_s_best_rate`), so a faster sample shows.
         # The host updates every part but the resident layers (updated on the GPU meanwhile).
-        on_host = streamed_params(cfg.model, cfg.stream.resident_layers)
+        cfg = placed(cfg, engine.placement)  # stream.resident_embeddings as it ran
+        on_host = host_params(cfg)
         in_step = [on_host / ph["update"] / 1e9 for ph in phases]
         roofline = measure(cfg, engine, state, data.batch_at(0),
                            statistics.median(in_step) if in_step else 0.0)
@@ -222,6 +224,7 @@ def run(cfg, trainer, state, args):
         "saved_inputs_on_host": engine.placement.host_inputs if engine is not None else None,
         "layers_keeping_attention": engine.schedule.keep_attention if engine is not None else None,
         "layers_keeping_weights": engine.schedule.keep_weights if engine is not None else None,
+        "resident_embeddings": engine.placement.resident_embeddings if engine else None,
         "losses": losses, "grad_norms": norms,
         "speculated_parts": [g for g, _ in guesses], "rolled_back_parts": [r for _, r in guesses],
         "update": "host" if getattr(engine, "host_optimizer", None) else "device",

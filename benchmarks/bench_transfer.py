@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit  # noqa: E402
 
-from megatrain_jax.tools.roofline import median_seconds  # noqa: E402
+from megatrain_jax.tools.measure import median_seconds  # noqa: E402
 
 
 def _host_update_rate(place, kernel, params, grads) -> float | None:

@@ -1,6 +1,6 @@
 """What every benchmark script shares: one JSON object on stdout, and in a file if asked, and
 tokens/s from a run's step times. (The median time of a repeated call is
-`megatrain_jax.roofline.median_seconds`.)"""
+`megatrain_jax.tools.measure.median_seconds`.)"""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ def main() -> None:
         programs.COMPILER_OPTIONS = options
         run = programs.build_programs(trainers.llama_templates(cfg), optax.sgd(0.0), 0.0,
                                       Placement())
-        _, dw, _, _ = grads[name] = run.layer_backward(p, xs, dy + 0, {}, sq)
+        _, dw, _ = grads[name] = run.layer_backward(p, xs, dy + 0, {}, sq)
         rows[name] = {"bf16_share": bf16_share(dw),
                       "forward_s": median_seconds(run.layer_forward, lambda: (p, xs, {})),
                       "backward_s": median_seconds(run.layer_backward,

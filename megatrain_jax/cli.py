@@ -26,6 +26,7 @@ from megatrain_jax.config import (
     memory,
     shipped_configs,
 )
+from megatrain_jax.config.memory_lines import describe
 from megatrain_jax.io.checkpoint import CheckpointError
 from megatrain_jax.tools import distributed
 from megatrain_jax.tools import plan as planner
@@ -110,7 +111,7 @@ def cmd_plan(args) -> int:
         if len(modes) > 1:
             print("host bytes per parameter by optim.state_dtype (with these gradients and "
                   "the runtime): " + ", ".join(f"{k} {v:.1f}" for k, v in modes.items()))
-    print("\n".join(memory.describe(cfg, gpu, est["devices"]) + planner.traffic_lines(cfg, gpu)))
+    print("\n".join(describe(cfg, gpu, est["devices"]) + planner.traffic_lines(cfg, gpu)))
     where = "the machine of --host-gb/--gpu-gb" if target else "this machine"
     for name, have, need in (("host", host, est["host_total"]),
                              ("GPU", gpu, est["device_total"])):
@@ -149,7 +150,8 @@ def cmd_plan(args) -> int:
         from megatrain_jax.tools import roofline
 
         kept = memory.unfetched_layers(cfg, gpu, est["devices"])
-        b = roofline.bound_for(cfg, rates, kept)
+        run = memory.resolved(cfg, gpu, est["devices"])  # auto settled as `train` settles it
+        b = roofline.bound_for(run, rates, kept)
         tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step,
                                                cfg.stream.resident_layers)
         host_rate = f"{rates.host_memory_gbps:.0f} GB/s" if rates.host_memory_gbps else "unmeasured"
@@ -160,7 +162,7 @@ def cmd_plan(args) -> int:
         print(f"step bound at these settings: {b['step_s']:.3f} s "
               f"({cfg.data.tokens_per_step / b['step_s']:,.0f} tokens/s; the largest cost: "
               f"{b['limited_by'].replace('_', ' ')})")
-        share, guessing = roofline.best_speculate_share(cfg, rates, kept)
+        share, guessing = roofline.best_speculate_share(run, rates, kept)
         if share and roofline.can_guess(cfg):
             if cfg.stream.speculate != "off":
                 print(f"of which the update during the backward: {share:g} of it, in steps "
@@ -169,7 +171,7 @@ def cmd_plan(args) -> int:
                 print(f"steps that do not clip, with stream.speculate=auto: {guessing:.3f} s")
         print(f"compute-bound from about {tokens:,} tokens per step "
               f"(now {cfg.data.tokens_per_step:,})")
-        expected = planner.expected_step(b["step_s"], measured, cfg.data.tokens_per_step)
+        expected = roofline.expected_step(b["step_s"], measured, cfg.data.tokens_per_step)
         if expected:
             print(expected)
     if verdict:
@@ -210,7 +212,7 @@ def _plan_rates(args, cfg):
     if not args.measure:
         return None, None
     planner.set_pool_env(cfg, measuring=True)
-    from megatrain_jax.tools.roofline import measure_rates  # starts JAX
+    from megatrain_jax.tools.measure import measure_rates  # starts JAX
 
     return measure_rates(cfg), None
 
@@ -251,9 +253,7 @@ def cmd_report(args) -> int:
     except ReportError as e:
         print(f"megatrain-jax: report: {e}", file=sys.stderr)
         return 2
-    print("\n".join(lines))
-    for path in written:
-        print(f"wrote {path}")
+    print("\n".join([*lines, *(f"wrote {path}" for path in written)]))
     return 0
 
 
@@ -323,8 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor dtype (default: the source checkpoint's, else float32)")
     p.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto")
     p.set_defaults(fn=cmd_export)
-    p = sub.add_parser("configs", help="list the shipped configs")
-    p.set_defaults(fn=cmd_configs)
+    sub.add_parser("configs", help="list the shipped configs").set_defaults(fn=cmd_configs)
     return parser
 
 

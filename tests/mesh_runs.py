@@ -60,7 +60,7 @@ def compare(run_dir: str) -> dict:
     out = {"devices": jax.device_count()}
     speculation.DROP_LATE_GUESSES = False  # every guess runs: the test counts them
     resident = ["stream.update=device", "stream.resident_layers=1",
-                "stream.saved_inputs=pinned_host"]
+                "stream.resident_embeddings=on", "stream.saved_inputs=pinned_host"]
     for name, extra in (("host", ["stream.speculate=on"]), ("device_resident", resident)):
         cfg = tiny(*COMPARED, "loop.steps=20", *extra)
         ref_state, state, stream, records = side_by_side(cfg, 20 if name == "host" else 6)

@@ -53,7 +53,7 @@ def test_help_is_useful(capsys):
 
 def test_overrides_may_follow_the_flags(capsys):
     assert main(["plan", "7b", "--host-gb", "125", "--gpu-gb", "140",
-                 "optim.state_dtype=int8"]) == 0
+                 "optim.state_dtype=int8", "stream.resident_embeddings=off"]) == 0
     assert "optimizer_state          12.75 GiB" in capsys.readouterr().out  # 2.03 B/param
     with pytest.raises(SystemExit):  # a stray flag is still refused
         main(["plan", "7b", "--host-gb", "125", "--bogus"])

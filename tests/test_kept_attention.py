@@ -10,7 +10,7 @@ import pytest
 from conftest import agrees_with_reference_while_clipping, max_rel_error, tiny
 
 from megatrain_jax import model
-from megatrain_jax.config import ConfigError, load_config, memory
+from megatrain_jax.config import ConfigError, load_config, memory, memory_lines
 from megatrain_jax.model import replay
 from megatrain_jax.train import trainers
 
@@ -143,10 +143,10 @@ def test_auto_keeps_as_many_layers_as_the_gpu_room_left_holds():
 def test_the_plan_prints_the_layers_that_keep_it():
     cfg = load_config("7b", ["data.batch_size=1", "data.seq_len=131072",
                              "model.max_seq_len=131072"])
-    lines = "\n".join(memory.describe(cfg, 141 * 10**9))
+    lines = "\n".join(memory_lines.describe(cfg, 141 * 10**9))
     assert "kept attention        1.02 GiB per layer (stream.keep_attention=auto)" in lines
     assert "the last 32 layers keep it" in lines
-    assert "found at the start" in "\n".join(memory.describe(cfg, None))
+    assert "found at the start" in "\n".join(memory_lines.describe(cfg, None))
 
 
 def test_keeping_is_refused_where_the_attention_cannot_be_kept():

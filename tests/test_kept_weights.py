@@ -55,7 +55,7 @@ def test_auto_keeps_them_by_the_room_the_device_reports(monkeypatch):
 
 def test_the_planner_keeps_what_the_gpu_room_holds():
     cfg = memory.replaced(memory.replaced(tiny(), "model", layers=4), "stream",
-                          keep_weights="auto")
+                          keep_weights="auto", resident_embeddings="off")
     per = memory.weights_per_layer(cfg)
     assert per == 4 * cfg.model.params_per_layer
     # Room for two and a half layers' weights beside the rest, the headroom and one more
@@ -85,7 +85,9 @@ def test_kept_weights_leave_the_backward_pass_out_of_the_bound_and_the_host_traf
     assert cfg.stream.keep_weights == "auto"
     kept = memory.keep_weights_layers(cfg, gpu, 4)
     assert kept == m.layers and memory.keep_weights_layers(cfg, None, 4) == 0
-    share = kept * m.params_per_layer / m.num_params  # of the host-held parameters
+    held = roofline.host_params(memory.resolved(cfg, gpu, 4))  # the layers' alone here
+    assert held == m.layers * m.params_per_layer
+    share = kept * m.params_per_layer / held  # of the host-held parameters
     assert plan.host_traffic(cfg, gpu)["weights"] == pytest.approx(8 - 4 * share)
     assert plan.host_traffic(cfg, None)["weights"] == 8.0  # the room unknown: none kept
     rates = roofline.Rates(h2d_gbps=50.0, d2h_gbps=50.0, layer_forward_s=0.01,
@@ -104,7 +106,7 @@ def test_kept_weights_leave_the_backward_pass_out_of_the_bound_and_the_host_traf
     # Saving layers (stream.keep_layers) fetch none for their backward either.
     saving = load_config("7b", ["mesh.data=1", "stream.keep_layers=2", "stream.keep_weights=off"])
     assert plan.host_traffic(saving, gpu)["weights"] == pytest.approx(
-        8 - 8 * m.params_per_layer / m.num_params)
+        8 - 8 / m.layers)
     off = memory.replaced(saving, "stream", keep_layers=0)
     assert memory.unfetched_layers(saving, gpu) == 2 and memory.unfetched_layers(off, gpu) == 0
     assert roofline.bound_for(saving, rates, memory.unfetched_layers(saving, gpu))[

@@ -9,7 +9,7 @@ import pytest
 
 from megatrain_jax.cli import main
 from megatrain_jax.config import ConfigError, load_config, memory, shipped_configs
-from megatrain_jax.tools import plan, roofline
+from megatrain_jax.tools import measure, plan, roofline
 
 GiB = 2**30
 # Rates measured on the H200 for 7b at 16 x 1024 tokens, without the host memory's
@@ -125,7 +125,9 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
                  "layer gradients to the host in bfloat16 (stream.grad_dtype=auto)"):
         assert part in out, part
     rates = roofline.Rates.from_result(RATES_7B)
-    cfg = load_config("7b")
+    # The embedding and the head live on the GPU there (stream.resident_embeddings=auto).
+    cfg = memory.resolved(load_config("7b"), plan.usable_gpu_bytes(139 * GiB))
+    assert cfg.stream.resident_embeddings == "on" and "embedding and head" in out
     share, step_s = roofline.best_speculate_share(cfg, rates)  # stream.speculate=auto
     assert f"step bound at these settings: {step_s:.3f} s" in out
     assert f"of which the update during the backward: {share:g} of it" in out and share > 0
@@ -194,7 +196,7 @@ def test_the_link_is_timed_from_pinned_host_memory_with_resident_layers():
         return to_device(tree, copy)
 
     place.to_device = recording
-    measured = roofline.measure(cfg, trainer.engine, state, TokenSource(cfg).batch_at(0))
+    measured = measure.measure(cfg, trainer.engine, state, TokenSource(cfg).batch_at(0))
     assert kinds and set(kinds) == {"pinned_host"}  # never a no-op device -> device "copy"
     assert measured["h2d_gbps"] > 0
 
@@ -322,7 +324,7 @@ def test_a_guessing_step_takes_the_best_share_of_the_update_beside_the_backward(
 
 
 def test_measured_host_memory_is_at_least_what_the_update_moved(small_samples):
-    from megatrain_jax.tools.roofline import measure_rates
+    from megatrain_jax.tools.measure import measure_rates
 
     rates = measure_rates(load_config("tiny"))
     assert rates.overlapped_update
@@ -443,13 +445,14 @@ def test_plan_extrapolates_a_measured_run_to_another_depth(capsys, tmp_path):
                  "--rates", str(rates_file)]) == 0
     out = capsys.readouterr().out
     rates = roofline.Rates.from_result(RATES_7B)
-    step_s = roofline.bound_for(load_config("120b"), rates)["step_s"]
+    gpu = plan.usable_gpu_bytes(140 * GiB)  # auto settled as the plan settles it
+    step_s = roofline.bound_for(memory.resolved(load_config("120b"), gpu), rates)["step_s"]
     assert f"step bound at these settings: {step_s:.3f} s" in out
     assert f"expected step: {step_s * 1.25:.3f} s ({16384 / (step_s * 1.25):,.0f} tokens/s)" \
         in out and "(4 layers, 16,384 tokens per step, 2.000 s)" in out
     assert main(["plan", "120b", "data.batch_size=64", "--host-gb", "2000", "--gpu-gb", "140",
                  "--rates", str(rates_file)]) == 0
-    wide = roofline.bound_for(load_config("120b", ["data.batch_size=64"]),
+    wide = roofline.bound_for(memory.resolved(load_config("120b", ["data.batch_size=64"]), gpu),
                               roofline.scaled(rates, 4))["step_s"]
     assert f"expected step: {wide * 1.25:.3f} s" in capsys.readouterr().out
     assert main(["plan", "7b", "--rates", str(rates_file)]) == 2

@@ -81,14 +81,18 @@ def test_nnx_gradients_equal_flax_grad(options):
     assert memory_kinds(state.params) == {"pinned_host"}
 
 
-@pytest.mark.parametrize("resident_layers", [0, 1])
-def test_nnx_ten_steps_agree_with_ordinary_training(resident_layers):
+@pytest.mark.parametrize("resident_layers,resident_embeddings", [(0, False), (1, False),
+                                                                 (0, True)])
+def test_nnx_ten_steps_agree_with_ordinary_training(resident_layers, resident_embeddings):
     opt = optax.adamw(3e-3)
     step = streaming.from_nnx(*nnx_example.build(), nnx_example.summed_loss, opt,
-                              resident_layers=resident_layers)
+                              resident_layers=resident_layers,
+                              resident_embeddings=resident_embeddings)
     state = step.init_state()
     assert memory_kinds(state.params["layers"][0]) == \
         ({"device"} if resident_layers else {"pinned_host"})
+    assert memory_kinds((state.params["embed"], state.params["head"])) == \
+        ({"device"} if resident_embeddings else {"pinned_host"})
     model = WholeModel(*nnx_example.build())
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = opt.init(params)

@@ -1,15 +1,18 @@
 """GPU memory of a streamed step, without JAX: the weights and gradients in flight, the saved
 layer inputs, one layer's working set, how the inputs split between GPU and host when GPU
 memory runs short (`stream.saved_inputs=auto`), how many layers keep their attention's
-output for the backward in the room left (`stream.keep_attention=auto`), and how many keep the
-weights their forward fetched, in the room left after that (`stream.keep_weights=auto`).
+output for the backward in the room left (`stream.keep_attention=auto`), whether the
+embedding and the head live on the GPU in the room left after that
+(`stream.resident_embeddings=auto`), and how many layers keep the weights their forward
+fetched, in the room left last (`stream.keep_weights=auto`).
 
     acts = activations(cfg)                 # choices and bytes at cfg's batch and sequence
     device, host_saved = step_bytes(cfg, devices=1, gpu=141 * GiB)
     host_layers = saved_on_host(cfg, gpu, devices=1)   # what the trainer places for auto
     keeping = keep_attention_layers(cfg, gpu, devices=1)  # the last layers that keep it
+    on_gpu = embeddings_resident(cfg, gpu, devices=1)     # the embedding and head's home
     weights = keep_weights_layers(cfg, gpu, devices=1)    # layers whose weights stay fetched
-    lines = describe(cfg, room)             # what `megatrain-jax plan` prints
+    cfg = resolved(cfg, gpu, devices=1)     # auto settled as the trainer settles it
 
 Here, below the trainers, so that the trainer resolves `auto` by the same arithmetic as the
 planner (tools/plan.py, which adds the host's side). The attention path and the MLP tile
@@ -19,10 +22,9 @@ follow config/auto.py, the rules the model itself runs by.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 from megatrain_jax.config import auto
-from megatrain_jax.config.schema import MOMENT_BLOCK, Config, layer_grad_dtype
+from megatrain_jax.config.schema import MOMENT_BLOCK, Config
 
 GiB = 2**30
 # Host-held layer inputs on the GPU at once in the backward: the one in use and the next.
@@ -52,9 +54,59 @@ def step_bytes(cfg: Config, devices: int, gpu: int | None) -> tuple[dict, int]:
     left = None if room is None else room - device["saved_inputs"]
     device["kept_attention"] = _keeping(local, devices, left) * kept_per_layer(local)
     left = None if left is None else left - device["kept_attention"]
+    device["resident_embeddings"] = 0
+    if _resident_embeddings(local, devices, left, device["embedding"]):
+        # Used where they live: the fetched copy of the embedding goes.
+        device["resident_embeddings"] = resident_embedding_bytes(local, devices)
+        left = None if left is None else left + device["embedding"] - device[
+            "resident_embeddings"]
+        device["embedding"] = 0
     device["kept_weights"] = (_keeping_weights(local, devices, left)
                               * weights_per_layer(local, devices))
     return device, on_host * devices  # every GPU's share, in the one host
+
+
+def embedding_params(cfg: Config) -> int:
+    """Parameters outside the layers: the embedding and the head with the final norm."""
+    m = cfg.model
+    return m.num_params - m.layers * m.params_per_layer
+
+
+def resident_embedding_bytes(cfg: Config, devices: int = 1) -> int:
+    """GPU bytes of the embedding and the head living there (`stream.resident_embeddings`):
+    weights, optimizer state and the step's gradients, each GPU its 1/n."""
+    return int(resident_bytes_per_param(cfg) * embedding_params(cfg)) // devices
+
+
+def resident_bytes_per_param(cfg: Config) -> float:
+    """GPU bytes per parameter of a part whose state lives there: fp32 weights, the optimizer
+    state, the step's fp32 gradients."""
+    return 4 + optimizer_bytes(cfg) + 4
+
+
+def _resident_embeddings(local: Config, devices: int, room: int | None, fetched: int) -> bool:
+    setting = local.stream.resident_embeddings
+    if setting != "auto":
+        return setting == "on"
+    # The working set the kept attention and weights leave free stays free beside them too.
+    if room is None:
+        return False
+    return room + fetched - activations(local)["working_set_total"] >= resident_embedding_bytes(
+        local, devices)
+
+
+def embeddings_resident(cfg: Config, gpu: int | None, devices: int = 1) -> bool:
+    """Whether the embedding and the head, with their optimizer state, live on the GPU under
+    `stream.resident_embeddings`: `on`, `off`, or `auto` where the GPU's room left after the
+    saved inputs and the kept attention holds them (not where the room is unknown)."""
+    return step_bytes(cfg, devices, gpu)[0]["resident_embeddings"] > 0
+
+
+def resolved(cfg: Config, gpu: int | None, devices: int = 1) -> Config:
+    """cfg with `stream.resident_embeddings` settled to on or off, as the trainer settles it
+    on GPUs of `gpu` bytes (the host's share of the state and its traffic follow it)."""
+    on = embeddings_resident(cfg, gpu, devices)
+    return replaced(cfg, "stream", resident_embeddings="on" if on else "off")
 
 
 def keep_weights_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
@@ -149,7 +201,7 @@ def _without_inputs(cfg: Config, n: int, gpu: int | None) -> tuple[Config, dict,
     local = replaced(cfg, "data", batch_size=rows)
     edge = m.vocab_size * m.hidden * 4
     part = 4 * max(layer, edge)
-    state = 4 + optimizer_bytes(cfg) + 4  # weights, optimizer state, the step's gradients
+    state = resident_bytes_per_param(cfg)
     device = {
         # Weights in flight (current + prefetched), gradients leaving, the embedding kept for
         # the step, saved inputs, and one micro-batch's layer workspace.
@@ -273,62 +325,3 @@ def saved_bytes(cfg: Config, room: int | None = None) -> tuple[int, int]:
         return min(SAVED_IN_FLIGHT, layers) * per, layers * per
     on_gpu, on_host = saved_split(cfg, room)
     return (on_gpu + (min(SAVED_IN_FLIGHT, on_host) if on_host else 0)) * per, on_host * per
-
-
-def describe(cfg: Config, gpu: int | None, devices: int = 1) -> list[str]:
-    """The plan's lines on the gradients' dtype and the activations; `gpu`: the bytes XLA may
-    use on each GPU, if known."""
-    acts = activations(cfg)
-    m, d = cfg.model, cfg.data
-    path = acts["attention"]
-    if path == "blockwise":
-        path += f" in chunks of {acts['attention_chunk']:,} tokens"
-    if cfg.model.attention == "auto":
-        path += (f" (auto: cuDNN up to {auto.CUDNN_MAX_SEQ:,} tokens with bf16 on a GPU, XLA "
-                 f"up to {auto.XLA_MAX_SEQ:,} otherwise, blockwise beyond)")
-    tile = acts["mlp_tile"]
-    per, layers = acts["saved_per_layer"], inputs_saved(cfg)
-    grads = layer_grad_dtype(cfg, devices)
-    lines = [
-        f"layer gradients to the host in {grads} (stream.grad_dtype={cfg.stream.grad_dtype})",
-        f"activations ({d.batch_size // d.micro_batches} x {d.seq_len:,} tokens per "
-        f"micro-batch, {m.compute_dtype}):",
-        f"  attention             {path}",
-        "  MLP                   " + (f"tiles of {tile:,} tokens, recomputed in the backward"
-                                       if tile else "untiled"),
-        f"  saved layer inputs    {per / GiB:.2f} GiB per layer, {layers * per / GiB:.2f} GiB "
-        f"for {layers} layers (stream.saved_inputs={cfg.stream.saved_inputs})",
-    ]
-    if gpu is not None:
-        on_host = saved_on_host(replaced(cfg, "stream", saved_inputs="auto"), gpu, devices)
-        on_gpu = layers - on_host
-        now = " (stream.saved_inputs=auto)" if cfg.stream.saved_inputs == "auto" else \
-            ", as stream.saved_inputs=auto places them"
-        lines.append(f"  split by GPU room     {on_gpu} layers' inputs on the GPU "
-                     f"({on_gpu * per / GiB:.2f} GiB), {on_host} on pinned host "
-                     f"({on_host * per / GiB:.2f} GiB){now}")
-    lines.append(_kept_line(cfg, gpu, "attention", kept_per_layer(cfg),
-                            lambda: keep_attention_layers(cfg, gpu, devices),
-                            "the last {n} layers keep it ({gib:.2f} GiB), their backward does "
-                            "not attend again"))
-    lines.append(_kept_line(cfg, gpu, "weights", weights_per_layer(cfg, devices),
-                            lambda: keep_weights_layers(cfg, gpu, devices),
-                            "{n} layers keep them ({gib:.2f} GiB), their backward fetches none"))
-    lines.append("  per-layer working set (one micro-batch, the layer's backward; the MLP's "
-                 "activations and the attention's gradients are not held at once):")
-    for name, n in acts["working_set"].items():
-        lines.append(f"    {name:22s}{n / GiB:8.2f} GiB")
-    lines.append(f"    {'total':22s}{acts['working_set_total'] / GiB:8.2f} GiB")
-    return lines
-
-
-def _kept_line(cfg: Config, gpu: int | None, what: str, per: int, layers: Callable[[], int],
-               keeping: str) -> str:
-    """`describe`'s line on stream.keep_<what>: bytes per layer, and how many layers keep it
-    (`keeping` said of them), or that `auto` finds them at the start where the GPU is unknown."""
-    setting = getattr(cfg.stream, f"keep_{what}")
-    line = f"  {'kept ' + what:22s}{per / GiB:.2f} GiB per layer (stream.keep_{what}={setting})"
-    if setting == "auto" and gpu is None:
-        return line + ": as many layers as the GPU's room holds, found at the start"
-    n = layers()
-    return line + (": " + keeping.format(n=n, gib=n * per / GiB) if n else ": none")

@@ -137,6 +137,11 @@ class StreamConfig:
     host_memory_gb: float = 0.0  # each GPU's pinned pool; 0: sized from the model
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
     resident_layers: int = 0  # the first K layers' weights and optimizer state stay on the GPU
+    # The embedding and the head, with their optimizer state, stay on the GPU and update
+    # there: the host and its update lane carry the layers only (7b: 262M parameters, 3 GiB
+    # of GPU memory). auto: where the GPU's room holds them after the saved inputs and the
+    # kept attention (not where the room is unknown), on, off.
+    resident_embeddings: str = "auto"
     # Host update during the backward on the guess that the step will not clip (undone and
     # redone when it does): off, auto (guess when the last step did not clip), on. A guess
     # not started by the backward's end is dropped and done after it (docs/guide.md).
@@ -229,6 +234,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "stream.grad_dtype": ("auto", "float32", "bfloat16"),
     "stream.keep_attention": ("auto", "on", "off"),
     "stream.keep_weights": ("auto", "on", "off"),
+    "stream.resident_embeddings": ("auto", "on", "off"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),
     "loop.tensorboard": ("auto", "on", "off"),

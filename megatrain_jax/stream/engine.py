@@ -11,7 +11,8 @@ the pinned buffers, part by part in streaming order (updates.py), while the GPU 
 the next step: the next forward waits for a part's update only when it fetches that part.
 With any other Optax transformation it runs as one compiled program per part that streams
 the state through the device, at the end of the step. The first `resident_layers` layers
-live in GPU memory (placement.py) and are updated there by donation, beside the host update.
+live in GPU memory (placement.py), and with `resident_embeddings` the embedding and the head,
+and are updated there by donation, beside the host update.
 The last `keep_attention` layers' forward keeps what their backward's recompute then takes
 instead of computing it again (Templates.layer_keeping: the attention's output, on the GPU).
 The last `keep_layers` layers' forward keeps its matmuls' outputs on the GPU: their backward
@@ -95,13 +96,14 @@ class StreamEngine:
                  learning_rate: Callable | None = None, device: jax.Device | None = None,
                  resident_layers: int = 0, speculate: str = "auto", speculate_share: float = 1.0,
                  mesh: Mesh | None = None, keep_attention: int = 0, keep_layers: int = 0,
-                 keep_weights: int = 0):
+                 keep_weights: int = 0, resident_embeddings: bool = False):
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, got {speculate!r}")
         if not 0 < speculate_share <= 1:
             raise ValueError(f"speculate_share must be within (0, 1], got {speculate_share}")
         self.speculate_share = speculate_share
-        self.placement = Placement(resident_layers, device, saved_inputs, mesh)
+        self.placement = Placement(resident_layers, device, saved_inputs, mesh,
+                                   resident_embeddings)
         if keep_attention and templates.layer_keeping is None:
             raise ValueError("keep_attention needs templates with layer_keeping and "
                              "layer_replaying; these have none: set keep_attention=0")
@@ -266,9 +268,9 @@ class StreamEngine:
         params, opt_state = parts(state._params), parts(state._opt_state)
         guessed = self.guessed_parts(params)
 
-        def on_gradient(k, grads, part_sq):
+        def on_gradient(k, grads, seen_sq):
             if k in guessed:
-                update.gradient_ready(names[k], params[k], grads, opt_state[k], part_sq)
+                update.gradient_ready(names[k], params[k], grads, opt_state[k], seen_sq)
 
         return on_gradient
 

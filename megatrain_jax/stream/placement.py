@@ -3,12 +3,13 @@
 A model's state is split into parts, in streaming order: `embed`, `layer 0` … `layer L-1`,
 `head`. Each part's fp32 parameters and Optax state have one home: host memory (the
 `pinned_host` memory kind, streamed through the GPU at every visit) or, for the first
-`resident_layers` layers, GPU memory for the whole run. `Placement` answers which, moves
+`resident_layers` layers and with `resident_embeddings` the embedding and the head, GPU
+memory for the whole run. `Placement` answers which, moves
 trees between the two kinds, builds the state in place part by part, and gives the abstract
 shapes (with shardings) that a checkpoint restores into. No other module names a memory
 kind; tests grep the package for it.
 
-    placement = Placement(resident_layers=2)
+    placement = Placement(resident_layers=2, resident_embeddings=True)
     params = placement.init_params(init_embed, init_layer, init_head, num_layers=32)
     opt_state = placement.init_opt_state(optimizer.init, params)
     placement.is_resident(3)         # streaming index: 0 embed, 1..L layers, L+1 head
@@ -71,14 +72,16 @@ class Placement:
     """
 
     def __init__(self, resident_layers: int = 0, device: jax.Device | None = None,
-                 saved_inputs: str | int = DEVICE_KIND, mesh: Mesh | None = None):
+                 saved_inputs: str | int = DEVICE_KIND, mesh: Mesh | None = None,
+                 resident_embeddings: bool = False):
         if resident_layers < 0:
             raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
         if saved_inputs not in (DEVICE_KIND, HOST_KIND) and not (
                 isinstance(saved_inputs, int) and saved_inputs >= 0):
             raise ValueError(f"saved_inputs must be '{DEVICE_KIND}', '{HOST_KIND}' or a count "
                              f"of layers >= 0, got {saved_inputs!r}")
-        self.resident_layers = resident_layers
+        self.resident_layers, self.resident_embeddings = resident_layers, resident_embeddings
+        self.layers: int | None = None  # the model's, once `check` has seen it
         # Where the layer inputs saved for the backward wait: the GPU, or pinned host memory
         # (fetched back ahead of need, like the weights) when the GPU is short of room; a
         # count k puts the first k layers' there, whose inputs the backward needs last.
@@ -115,7 +118,14 @@ class Placement:
 
     def is_resident(self, index: int) -> bool:
         """Whether the part at streaming `index` (0 embed, 1..L layers, L+1 head) lives in
-        GPU memory for the whole run. The rule: the first `resident_layers` layers do."""
+        GPU memory for the whole run. The rule: the first `resident_layers` layers do, and
+        with `resident_embeddings` the embedding and the head."""
+        if self.resident_embeddings:
+            if self.layers is None:
+                raise RuntimeError("Placement.check(num_layers) comes first: the head's index "
+                                   "follows the model's layer count")
+            if index in (0, self.layers + 1):
+                return True
         return 1 <= index <= self.resident_layers
 
     def home(self, index: int) -> str:
@@ -123,6 +133,11 @@ class Placement:
         return DEVICE_KIND if self.is_resident(index) else HOST_KIND
 
     def check(self, num_layers: int) -> None:
+        """Takes the model's layer count, refusing more resident layers than it has."""
+        if self.resident_embeddings and self.layers not in (None, num_layers):
+            raise ValueError(f"this placement keeps the head of a {self.layers}-layer model "
+                             f"on the GPU, not of a {num_layers}-layer one: one engine a model")
+        self.layers = num_layers
         if self.resident_layers > num_layers:
             raise ValueError(f"resident_layers ({self.resident_layers}) exceeds the model's "
                              f"{num_layers} layers")

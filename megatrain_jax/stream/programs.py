@@ -64,8 +64,8 @@ class Programs:
     layer_keeping: Callable    # (layer, xs, batch) -> xs, kept (for layer_backward)
     head: Callable             # (head, embed, xs, batch, denom) -> loss, dxs, dhead, dembed, sq
     head_eval: Callable        # (head, embed, xs, batch, denom) -> loss
-    layer_backward: Callable   # (layer, xs, dxs, batch, sq, kept=None) -> dxs_in, dlayer, sq,
-                               # layer's sq (dxs donated)
+    layer_backward: Callable   # (layer, xs, dxs, batch, sq, kept=None) -> dxs_in, dlayer, sq
+                               # (dxs donated)
     layer_saving: Callable     # (layer, xs, batch) -> xs, saved (for layer_backward_saved)
     layer_backward_saved: Callable  # (saved, dxs, sq) -> as layer_backward (dxs donated)
     embed_backward: Callable   # (embed, batch, dxs, dembed, sq) -> dembed, sq, skip, scale
@@ -131,8 +131,7 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
 
     def layer_backward(params, xs, dxs, batch, sq, kept=None):
         """Recomputes the layer from its saved inputs (taking what `kept` holds, when the
-        forward was layer_keeping's); returns dL/dx_in, dL/dw, the running sum of squares and
-        the layer's own."""
+        forward was layer_keeping's); returns dL/dx_in, dL/dw and the running sum of squares."""
 
         def one(dw_acc, args):
             x, dx, mb, kept_mb = args
@@ -172,13 +171,13 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         return layer_gradient(dw, dxs_in, sq, dxs.shape[0])
 
     def layer_gradient(dw, dxs_in, sq, micro_batches: int):
-        """dL/dx_in, dL/dw split as state is (in the layer's gradient dtype where exact), the
-        running sum of squares and the layer's own."""
+        """dL/dx_in, dL/dw split as state is (in the layer's gradient dtype where exact) and
+        the running sum of squares."""
         dw = placement.constrain(dw)
-        own = optim.sum_of_squares(dw)
+        sq = sq + optim.sum_of_squares(dw)
         if t.layer_grad_dtype is not None and micro_batches == 1:  # exact: see Templates
             dw = jax.tree.map(lambda g: g.astype(t.layer_grad_dtype), dw)
-        return dxs_in, dw, sq + own, own
+        return dxs_in, dw, sq
 
     def embed_backward(embed_params, batch, dxs, dembed_from_head, sq):
         def one(acc, args):

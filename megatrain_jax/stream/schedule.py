@@ -45,10 +45,11 @@ class Schedule:
         is the previous step's update (done(name), wait(name)), still running. Returns
         (loss, gradients in the parts layout, squared global norm, skip, clip scale); host
         parts' gradients are on the host, resident parts' on the device. During the
-        backward, on_gradient(k, host_gradient, its_sum_of_squares) is called for each host
-        part k but the embedding (the last) once its gradient's copy is issued; the sum's
-        copy to the host follows it, so reading the sum waits for that part's transfers
-        only, not for the copies queued after them."""
+        backward, on_gradient(k, host_gradient, seen_sq) is called for each host part k but
+        the embedding (the last) once its gradient's copy is issued, with the sum of squares
+        of the step's gradients so far, k's included; that sum's copy to the host follows
+        the gradient's, so reading it waits for that part's transfers only, not for the
+        copies queued after them."""
         place, run, depth = self.placement, self.programs, self.depth
         weights, names = parts(params), part_names(len(params["layers"]))
         layers = len(weights) - 2
@@ -95,9 +96,12 @@ class Schedule:
         tracer.phase_end("forward", lambda: dxs)
         del xs
         grads = [None] * (layers + 2)
-        grads[-1] = tracer.issued("d2h", "head grad", place.to_host(dhead))
-        if on_gradient is not None:  # sq is the head's alone so far
-            on_gradient(layers + 1, grads[-1], place.to_host(sq))
+        if place.is_resident(layers + 1):
+            grads[-1] = dhead
+        else:
+            grads[-1] = tracer.issued("d2h", "head grad", place.to_host(dhead))
+            if on_gradient is not None:  # the head's is the first
+                on_gradient(layers + 1, grads[-1], place.to_host(sq))
 
         def fetch_back(i):  # layer i's weights and saved input on the device (none: saving)
             if i in saving:
@@ -115,9 +119,9 @@ class Schedule:
             tracer.visit("backward", i)
             saved[i] = None  # the device copy in x_in is the last one
             if i in saving:
-                dxs, dw, sq, own_sq = run.layer_backward_saved(kept[i], dxs, sq)
+                dxs, dw, sq = run.layer_backward_saved(kept[i], dxs, sq)
             else:
-                dxs, dw, sq, own_sq = run.layer_backward(w, x_in, dxs, batch, sq, kept[i])
+                dxs, dw, sq = run.layer_backward(w, x_in, dxs, batch, sq, kept[i])
             kept[i] = None
             tracer.issued("compute", f"backward {i}", sq)  # dxs is donated to the next call
             if place.is_resident(i + 1):
@@ -126,11 +130,12 @@ class Schedule:
                 grads[i + 1] = offloads.add(
                     tracer.issued("d2h", f"layer {i} grad", place.to_host(dw)))
                 if on_gradient is not None:
-                    on_gradient(i + 1, grads[i + 1], place.to_host(own_sq))
+                    on_gradient(i + 1, grads[i + 1], place.to_host(sq))
             del w, x_in, dw
         dembed, sq, skip, scale = run.embed_backward(embed, batch, dxs, dembed_head, sq)
         tracer.issued("compute", "embed backward", sq)
-        grads[0] = tracer.issued("d2h", "embed grad", place.to_host(dembed))
+        grads[0] = dembed if place.is_resident(0) else tracer.issued(
+            "d2h", "embed grad", place.to_host(dembed))
         tracer.phase_end("backward", lambda: grads)
         return loss, from_parts(grads), sq, skip, scale
 

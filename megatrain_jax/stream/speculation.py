@@ -15,9 +15,9 @@ landed, the oldest, which lands first): the backward hands over gradients faster
 memory updates them, and newest first leaves the ones it cannot finish in time spread over the
 model, not all among the first layers, which the next forward needs first and would wait for
 one by one. Whether a part is guessed does not depend on that order: a part is guessed when
-the sum of squares of its gradients and of every part's before it in the backward stays
-within the clip threshold, so a step guesses the same parts however the worker's timing
-falls.
+the sum of squares of the step's gradients up to its own (every part's before it in the
+backward, those kept on the GPU too) stays within the clip threshold, so a step guesses the
+same parts however the worker's timing falls.
 
 When the guesses stand, one still waiting on the worker at the end of the backward is
 dropped, and its part is updated after the parts not guessed, in streaming order: the next
@@ -27,14 +27,15 @@ on how many guesses ran in time. A wrong guess is never dropped: every guess the
 allow runs and is undone, the same ones in every run, so a resumed run repeats the undo's
 roundings bit for bit.
 
-A part is never guessed when its own gradient is not finite, so no NaN or Inf reaches the
-state; nor once that sum passes the clip threshold (the guess is then known wrong). All of it
-runs on the update queue's worker, every guess before any settling (submitted after the
-backward), so a part's settling always follows its guess, and the next step's forward waits
-for a part only when it fetches it. `policy` decides per step whether to guess at all.
+A part is never guessed when its own gradient is not finite (the sum is not finite then), so
+no NaN or Inf reaches the state; nor once that sum passes the clip threshold (the guess is
+then known wrong). All of it runs on the update queue's worker, every guess before any
+settling (submitted after the backward), so a part's settling always follows its guess, and
+the next step's forward waits for a part only when it fetches it. `policy` decides per step
+whether to guess at all.
 
     update = StepUpdate(host_optimizer, clip_norm, speculate=True, tracer=tracer)
-    update.gradient_ready("layer 7", p, g, s, part_sq)    # during the backward
+    update.gradient_ready("layer 7", p, g, s, seen_sq)    # during the backward
     update.settle("layer 7", p, g, s, skip=False, scale=0.8)  # after it, in streaming order
     update.close()
 """
@@ -94,10 +95,9 @@ class StepUpdate:
         self.rolled_back = 0
         # Per part handed over, in the backward's order: its update's arguments until taken
         # (the gradients must not outlive the step's update: the next step's need the pinned
-        # pool), its sum of squares in host memory, and that sum once read.
+        # pool), and the step's sum of squares up to it, in host memory.
         self._handed: list[tuple | None] = []
-        self._part_sqs: list = []
-        self._sums: list[float] = []
+        self._seen_sqs: list = []
         self._untaken: list[int] = []
         self._wrong_from = math.inf  # the first part whose guess is known wrong, by index
         self._lock = threading.Lock()
@@ -107,14 +107,15 @@ class StepUpdate:
 
     # ----- during the backward -------------------------------------------------------------
 
-    def gradient_ready(self, part: str, params, grads, opt_state, part_sq) -> None:
-        """`grads` of `part` are on their way to the host and `part_sq`, their sum of
-        squares, is on its way after them (a scalar in host memory): guess the part's update,
-        unless the guess is already known to be wrong."""
+    def gradient_ready(self, part: str, params, grads, opt_state, seen_sq) -> None:
+        """`grads` of `part` are on their way to the host and `seen_sq`, the sum of squares
+        of the step's gradients so far, this part's included, is on its way after them (a
+        scalar in host memory): guess the part's update, unless the guess is already known to
+        be wrong."""
         if self.speculate:
             with self._lock:
                 self._handed.append((part, params, grads, opt_state))
-                self._part_sqs.append(part_sq)
+                self._seen_sqs.append(seen_sq)
                 self._untaken.append(len(self._handed) - 1)
             self.queue.submit("guess", self._guess_next)
 
@@ -122,7 +123,7 @@ class StepUpdate:
         """Takes a part (`next_part`) and guesses its update if it may; returns the part's
         name, for the timeline."""
         with self._lock:
-            i = next_part(self._untaken, [self._part_sqs[i].is_ready() for i in self._untaken])
+            i = next_part(self._untaken, [self._seen_sqs[i].is_ready() for i in self._untaken])
             self._untaken.remove(i)
             part, params, grads, opt_state = self._handed[i]
             self._handed[i] = None
@@ -133,14 +134,12 @@ class StepUpdate:
         return part
 
     def _may_guess(self, i: int) -> bool:
-        """Whether the sum of squares of the gradients of parts 0..i (in the backward's
-        order) is finite and within the clip threshold. Each sum is read where it landed,
-        beside its part's gradients: reading it waits for that part's copies only."""
+        """Whether the sum of squares of the step's gradients up to part i (in the
+        backward's order) is finite and within the clip threshold. The sum is read where it
+        landed, beside the part's gradients: reading it waits for that part's copies only."""
         if i >= self._wrong_from:
             return False
-        while len(self._sums) <= i:
-            self._sums.append(float(shard_views(self._part_sqs[len(self._sums)])[0][0]))
-        seen = sum(self._sums[:i + 1])
+        seen = float(shard_views(self._seen_sqs[i])[0][0])
         if not math.isfinite(seen) or (self.clip_norm > 0 and seen > self.clip_norm ** 2):
             self._wrong_from = i  # the step skips or clips: every later guess is wrong too
             return False

@@ -106,7 +106,7 @@ def from_functions(embed: Callable, layer: Callable, head_loss: Callable, params
     head_loss(head_params, x, batch) -> summed loss. `params` is
     {"embed": ..., "layers": [one pytree per layer], "head": ...}. `options` are
     `build_engine`'s: clip_norm, prefetch_depth, saved_inputs, micro_batches,
-    resident_layers, keep_layers, keep_weights, mesh, example_batch.
+    resident_layers, resident_embeddings, keep_layers, keep_weights, mesh, example_batch.
     """
     check_layers(params["layers"])
     example = {"embed": params["embed"], "layer": params["layers"][0], "head": params["head"]}
@@ -118,7 +118,8 @@ def build_engine(embed: Callable, layer: Callable, head_loss: Callable,
                  optimizer: optax.GradientTransformation, example: dict, *,
                  clip_norm: float = 0.0, prefetch_depth: int = 2,
                  saved_inputs: str = "device", micro_batches: int = 1,
-                 resident_layers: int = 0, keep_layers: int = 0, keep_weights: int = 0,
+                 resident_layers: int = 0, resident_embeddings: bool = False,
+                 keep_layers: int = 0, keep_weights: int = 0,
                  mesh: Mesh | int | None = None,
                  example_batch: dict | None = None) -> StreamEngine:
     """The engine around three pure functions (as `from_functions` takes them).
@@ -127,11 +128,13 @@ def build_engine(embed: Callable, layer: Callable, head_loss: Callable,
     ShapeDtypeStructs): with `example_batch`, the templates are traced with them once up front
     to refuse captured arrays. `clip_norm` > 0 clips the gradients' exact global norm. With
     `resident_layers=K`, the first K layers' parameters and optimizer state stay in GPU memory
-    and update there, where the GPU has room for them. With `keep_layers=K`, the last K
-    layers' forward keeps its matmuls' outputs on the GPU and their backward recomputes only
-    the rest (one device; docs/guide.md). With `keep_weights=K`, the last K streamed layers
-    before those keep the weights their forward fetched (over a mesh each device its shard)
-    and their backward takes them instead of fetching them again. `mesh` (a `make_mesh(n)`,
+    and update there, where the GPU has room for them; with `resident_embeddings=True`, the
+    embed and head parts' too (the host then holds and updates the layers only). With
+    `keep_layers=K`, the last K layers' forward keeps its matmuls' outputs on the GPU and
+    their backward recomputes only the rest (one device; docs/guide.md). With
+    `keep_weights=K`, the last K streamed layers before those keep the weights their forward
+    fetched (over a mesh each device its shard) and their backward takes them instead of
+    fetching them again. `mesh` (a `make_mesh(n)`,
     or n): data parallel over n devices, each batch's rows split over them and the host state
     sharded (stream/mesh.py); None or 1: one device.
     """
@@ -151,7 +154,8 @@ def build_engine(embed: Callable, layer: Callable, head_loss: Callable,
     return StreamEngine(templates, optimizer, clip_norm=clip_norm,
                         prefetch_depth=prefetch_depth, saved_inputs=saved_inputs,
                         micro_batches=micro_batches, resident_layers=resident_layers, mesh=mesh,
-                        keep_layers=keep_layers, keep_weights=keep_weights)
+                        keep_layers=keep_layers, keep_weights=keep_weights,
+                        resident_embeddings=resident_embeddings)
 
 
 def _with_batch(layer: Callable) -> Callable:

@@ -29,7 +29,7 @@ from megatrain_jax.config import (
 from megatrain_jax.config.memory import optimizer_bytes, replaced
 from megatrain_jax.io import array_files, checkpoint
 from megatrain_jax.tools.probe import gpu_memory_bytes, host_memory_available, planned_devices
-from megatrain_jax.tools.roofline import gradient_bytes, streamed_params, update_bytes  # no JAX
+from megatrain_jax.tools.roofline import gradient_bytes, host_params, update_bytes  # no JAX
 
 GiB = 2**30
 # Host memory of a streamed run beyond its pinned pool (measured on an H100 machine, 1b and 7b,
@@ -46,24 +46,30 @@ PINNED = ("master_weights", "optimizer_state", "gradients", "saved_inputs")
 def estimate(cfg: Config, gpu: int | None = None) -> dict:
     """Bytes per component on the host and the device. `gpu` (bytes) is the GPU that
     `stream.saved_inputs=auto` splits the saved inputs by (None: nvidia-smi's)."""
-    m, s = cfg.model, cfg.stream
+    m = cfg.model
     params = m.num_params
-    resident = s.resident_layers * m.params_per_layer  # parameters whose state is on the GPU
     state = 4 + optimizer_bytes(cfg)  # weights and optimizer state, bytes per parameter
     n = planned_devices(cfg) if cfg.loop.trainer == "stream" else 1
-    if s.saved_inputs == "auto" and gpu is None:
-        gpu = usable_gpu_bytes(gpu_memory_bytes())
+    gpu = usable_gpu_bytes(gpu_memory_bytes()) if gpu is None else gpu
     device, saved_on_host = memory.step_bytes(cfg, n, gpu)
+    run = memory.resolved(cfg, gpu, n)
+    held = host_params(run)  # parameters whose state is on the host
+    resident = params - held
     host = {
-        "master_weights": 4 * (params - resident),
-        "optimizer_state": int(optimizer_bytes(cfg) * (params - resident)),
-        "gradients": int(gradient_bytes(cfg, n) * (params - resident)),
+        "master_weights": 4 * held,
+        "optimizer_state": int(optimizer_bytes(cfg) * held),
+        "gradients": int(gradient_bytes(run, n) * held),
         "saved_inputs": saved_on_host,
     }
     # Beyond the pinned state: the pool's unfilled margin (the pool is resident once the
-    # state fills most of it), its allocator's bookkeeping, and the runtimes.
+    # state fills most of it), its allocator's bookkeeping, and the runtimes. The pool is
+    # sized before JAX starts, and the trainer settles stream.resident_embeddings=auto from
+    # XLA's view of the GPU, not nvidia-smi's: it keeps room for them unless they are `on`.
     pinned = sum(host[name] for name in PINNED)
-    pool = n * pool_limit_gib(cfg, pinned) * GiB  # one allocator a GPU
+    off = replaced(cfg, "stream", resident_embeddings="off")
+    spare = 0 if cfg.stream.resident_embeddings == "on" else int(
+        (host_params(off) - held) * memory.resident_bytes_per_param(cfg))
+    pool = n * pool_limit_gib(cfg, pinned + spare) * GiB  # one allocator a GPU
     held = n * _share(cfg, pinned, n)
     if held > pinned:
         host["replicas"] = held - pinned
@@ -82,7 +88,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
         on_device = params if cfg.loop.trainer == "reference" else resident
         host["checkpoint_copies"] = int(state * on_device) + checkpoint.THREADS * array_files.CHUNK
     return {"host": host, "device": device, "host_total": sum(host.values()),
-            "device_total": sum(device.values()), "devices": n}
+            "device_total": sum(device.values()), "devices": n, "pool_state": pinned + spare}
 
 
 def host_traffic(cfg: Config, gpu: int | None = None) -> dict[str, float]:
@@ -91,16 +97,17 @@ def host_traffic(cfg: Config, gpu: int | None = None) -> dict[str, float]:
     (stream.keep_weights, keep_layers; once however many GPUs, each reading its shard), the
     gradients written, the update's reads and writes (over a mesh the gradients are fp32)."""
     kept = memory.unfetched_layers(cfg, gpu, planned_devices(cfg))
-    held = streamed_params(cfg.model, cfg.stream.resident_layers)
-    weights = 8.0 - 4 * kept * cfg.model.params_per_layer / held
-    return {"weights": weights, "gradients": gradient_bytes(cfg), "update": update_bytes(cfg)}
+    run = memory.resolved(cfg, gpu, planned_devices(cfg))
+    weights = 8.0 - 4 * kept * cfg.model.params_per_layer / host_params(run)
+    return {"weights": weights, "gradients": gradient_bytes(run), "update": update_bytes(run)}
 
 
 def traffic_lines(cfg: Config, gpu: int | None = None) -> list[str]:
     """`plan`'s line on `host_traffic`, for runs that update on the host."""
     if cfg.loop.trainer != "stream" or not host_update(cfg):
         return []
-    moved, held = host_traffic(cfg, gpu), streamed_params(cfg.model, cfg.stream.resident_layers)
+    moved = host_traffic(cfg, gpu)
+    held = host_params(memory.resolved(cfg, gpu, planned_devices(cfg)))
     parts, total = ", ".join(f"{name} {n:.1f}" for name, n in moved.items()), sum(moved.values())
     lines = [f"host memory traffic a step: {total:.1f} bytes a host-held parameter ({parts}), "
              f"{total * held / 1e9:.0f} GB"]
@@ -137,8 +144,9 @@ def pinned_pool_bytes(cfg: Config, measuring: bool = False) -> int:
 
 def pinned_bytes(cfg: Config) -> int:
     """Bytes of the host state the pool holds (PINNED: weights, optimizer state, gradients,
-    saved inputs on the host)."""
-    return sum(estimate(cfg)["host"].get(name, 0) for name in PINNED)
+    saved inputs on the host), with room for the embeddings unless they are set on the GPU
+    (`estimate` says why)."""
+    return estimate(cfg)["pool_state"]
 
 
 def _pool_bytes(cfg: Config, pinned: int, measuring: bool = False) -> int:
@@ -334,17 +342,3 @@ def checkpoint_disk(cfg: Config) -> dict:
     folder, each = f"{cfg.loop.run_dir}/checkpoints", checkpoint_bytes(cfg)
     return {"folder": folder, "each": each, "free": checkpoint.free_bytes(folder),
             "needed": checkpoint.room_needed(folder, cfg.loop.keep_checkpoints, each)}
-
-
-def expected_step(bound_s: float, measured: dict | None, tokens: int) -> str | None:
-    """The bound scaled by the measured run's own step over its bound: what a run at these
-    settings should take, extrapolated from the measured one (another depth, batch)."""
-    ratio = (measured or {}).get("roofline", {}).get("ratio")
-    if not ratio:
-        return None
-    layers = measured.get("config_values", {}).get("model", {}).get("layers", "?")
-    step = bound_s * ratio
-    return (f"expected step: {step:.3f} s ({tokens / step:,.0f} tokens/s), extrapolated: the "
-            f"bound times {ratio:.3f}, the measured run's step over its bound ({layers} "
-            f"layers, {measured['tokens_per_step']:,} tokens per step, "
-            f"{measured['median_step_s']:.3f} s)")

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import timeit
 
 from megatrain_jax.config import ModelConfig, host_update, layer_grad_dtype
 from megatrain_jax.config.memory import optimizer_bytes
@@ -72,7 +70,7 @@ class Rates:
 
 def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
           resident_layers: int = 0, grad_bytes: float = 4, update_bytes: float | None = None,
-          speculate: float = 0.0, kept_layers: int = 0) -> dict:
+          speculate: float = 0.0, kept_layers: int = 0, resident_embeddings: bool = False) -> dict:
     """Seconds per component and both bounds, for one step of `model` at the given rates.
 
     `grad_bytes`: bytes per streamed parameter of the gradients that travel to the host and
@@ -83,12 +81,13 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     stand, stream.speculate; True: all of it): that share's time and bytes move from the
     forward to the backward, and the next forward still waits for one part's update after it.
 
-    `resident_layers` kept in GPU memory neither travel nor load the host: the link, the
-    host optimizer and the host memory carry the other parameters only. (Their own update
+    `resident_layers` kept in GPU memory, and with `resident_embeddings` the embedding and
+    head, neither travel nor load the host: the link, the host optimizer and the host memory
+    carry the other parameters only. (Their own update
     runs on the GPU at memory speed, a few ms per billion parameters, and is left out.) The
     `kept_layers` take weights their forward kept: the backward fetches the rest.
     """
-    p = streamed_params(model, resident_layers)
+    p = streamed_params(model, resident_layers, resident_embeddings)
     refetched = 1 - kept_layers * model.params_per_layer / max(p, 1)  # the backward's share
     weight_pass = bytes_per_param * p / (rates.h2d_gbps * 1e9)
     gradients = grad_bytes * p / (rates.d2h_gbps * 1e9)
@@ -121,9 +120,27 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     }
 
 
-def streamed_params(model: ModelConfig, resident_layers: int = 0) -> int:
-    """Parameters that live on the host: all but those of the layers kept on the GPU."""
-    return model.num_params - resident_layers * model.params_per_layer
+def streamed_params(model: ModelConfig, resident_layers: int = 0,
+                    resident_embeddings: bool = False) -> int:
+    """Parameters that live on the host: all but those of the layers kept on the GPU, and of
+    the embedding and the head where they are kept there."""
+    layers = (model.layers - resident_layers) * model.params_per_layer
+    return layers if resident_embeddings else model.num_params - resident_layers * (
+        model.params_per_layer)
+
+
+def placed(cfg, placement):
+    """cfg with stream.resident_embeddings as `placement` (an engine's) settled it."""
+    on = "on" if placement.resident_embeddings else "off"
+    return dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream,
+                                                               resident_embeddings=on))
+
+
+def host_params(cfg) -> int:
+    """`streamed_params` of cfg's run (stream.resident_embeddings `auto` counts as off:
+    `memory.resolved` settles it first)."""
+    s = cfg.stream
+    return streamed_params(cfg.model, s.resident_layers, s.resident_embeddings == "on")
 
 
 def bound_for(cfg, rates: Rates, kept_layers: int = 0) -> dict:
@@ -161,7 +178,8 @@ def _bound_at(cfg, rates: Rates, share: float, kept_layers: int) -> dict:
     sums over the GPUs: fp32."""
     return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
                  grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
-                 speculate=share, kept_layers=kept_layers)
+                 speculate=share, kept_layers=kept_layers,
+                 resident_embeddings=cfg.stream.resident_embeddings == "on")
 
 
 def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
@@ -181,7 +199,7 @@ def gradient_bytes(cfg, devices: int | None = None) -> float:
     devices = planned_devices(cfg) if devices is None else devices
     if layer_grad_dtype(cfg, devices) != "bfloat16":
         return 4.0
-    streamed = streamed_params(m, s.resident_layers)
+    streamed = host_params(cfg)
     layers = (m.layers - s.resident_layers) * m.params_per_layer
     return (2 * layers + 4 * (streamed - layers)) / max(streamed, 1)
 
@@ -242,107 +260,15 @@ def scaled(rates: Rates, factor: float) -> Rates:
                                head_s=rates.head_s * factor)
 
 
-def median_seconds(fn, repeats: int = 3) -> float:
-    """Median wall time of `repeats` calls of fn, after one warm-up call (compilation)."""
-    fn()
-    return statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
-
-
-def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
-    """The rates, measured on this model's own layers and templates, and the bound.
-
-    `state` may hold fewer layers than `cfg.model` (a few suffice); the bound is for
-    `cfg.model`. The optimizer's rate is `optimizer_gparams` when given (this model's own
-    update, timed by the caller), else that of an update of `plan.OPTIMIZER_SAMPLE`
-    parameters; the sample's rate is reported either way (`optimizer_sample_gparams`). The
-    host memory's bandwidth is the largest of a streaming kernel's alone
-    (`host_memory_kernel_gbps`), the same kernel's and a weight transfer's together
-    (`host_memory_shared_gbps`: the DMA adds to what the kernel draws), and what the host
-    update moved at the optimizer's rate. `kept_layers`: the engine's whose backward fetches
-    no weights (its saving layers and those keeping the forward's weights).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from megatrain_jax.tools import machine, plan
-
-    place, run, block = engine.placement, engine.programs, jax.block_until_ready
-    params = state.params
-    # The link is timed from pinned host memory, as the engine streams: resident layers
-    # (already on the device, where a transfer would be a no-op) are copied there first.
-    # The pinned pool is sized with room for these copies (plan.measurement_bytes, measuring).
-    layers = block(place.to_host(params["layers"][: plan.MEASURED_LAYERS]))
-    nbytes = sum(a.nbytes for a in jax.tree.leaves(layers))
-    h2d = median_seconds(lambda: block(place.to_device(layers)))
-    on_device = block(place.to_device(layers))
-    d2h = median_seconds(lambda: block(place.to_host(on_device)))
-
-    weights, embed, head = on_device[0], *place.to_device((params["embed"], params["head"]))
-    b, denom = engine.device_batch(batch)
-    xs = block(run.embed_forward(embed, b))
-    zero = jnp.zeros((), jnp.float32)
-    forward = median_seconds(lambda: block(run.layer_forward(weights, xs, b)))
-    backward = median_seconds(
-        lambda: block(run.layer_backward(weights, xs, jnp.ones_like(xs), b, zero)))
-
-    def head_and_embed_backward():  # the serial work: it follows the last update
-        _, dxs, _, dembed, sq = run.head(head, embed, xs, b, denom)
-        block(run.embed_backward(embed, b, dxs, dembed, sq))
-
-    head_s = median_seconds(head_and_embed_backward)
-    sample = _optimizer_rate(engine)
-    alone = machine.memory_gbps()
-    shared = machine.memory_gbps(beside=(lambda: block(place.to_device(layers)), nbytes))
-    rates = at_optimizer_rate(
-        Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
-              overlapped_update=engine.host_optimizer is not None),
-        optimizer_gparams or sample, max(alone, shared), update_bytes(cfg))
-    kept = engine.schedule.keep_weights + engine.schedule.keep_layers
-    return {**dataclasses.asdict(rates), **bound_for(cfg, rates, kept), "kept_layers": kept,
-            "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": alone,
-            "host_memory_shared_gbps": shared}
-
-
-def _optimizer_rate(engine) -> float:
-    """G params/s of the engine's update on a sample of fp32 parameters in pinned memory."""
-    import jax
-    import jax.numpy as jnp
-
-    from megatrain_jax.tools.plan import OPTIMIZER_SAMPLE
-
-    place = engine.placement
-    n = OPTIMIZER_SAMPLE
-    params = place.place({"w": jnp.full((n // 2**12, 2**12), 0.01, jnp.float32)})
-    grads = place.place({"w": jnp.full((n // 2**12, 2**12), 1e-3, jnp.float32)})
-    state = place.host_jit(engine.optimizer.init)(params)
-    if engine.host_optimizer is not None:
-        seconds = median_seconds(lambda: engine.host_optimizer.update(params, grads, state, 1.0))
-    else:
-        scale, skip = place.place((jnp.float32(1.0), jnp.bool_(False)))
-        box = [params, state]
-
-        def update():
-            box[:] = engine.programs.update_host(box[0], grads, box[1], scale, skip)
-            jax.block_until_ready(box)
-
-        seconds = median_seconds(update)
-    return n / seconds / 1e9
-
-
-def measure_rates(cfg) -> Rates:
-    """The rates for `cfg`, measured on two of its layers with random tokens: link
-    bandwidths, layer and head times, optimizer rate. The two layers stream (no resident
-    layers); the bound counts cfg's own."""
-    import jax
-
-    from megatrain_jax.io.data import TokenSource
-    from megatrain_jax.train.trainers import StreamTrainer
-
-    small = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, layers=min(cfg.model.layers, 2), hf_path=""),
-        data=dataclasses.replace(cfg.data, source="random"),
-        stream=dataclasses.replace(cfg.stream, resident_layers=0),
-        loop=dataclasses.replace(cfg.loop, trainer="stream"))
-    trainer = StreamTrainer(small)
-    state = trainer.init(jax.random.key(0))
-    return Rates.from_result(measure(cfg, trainer.engine, state, TokenSource(small).batch_at(0)))
+def expected_step(bound_s: float, measured: dict | None, tokens: int) -> str | None:
+    """The bound scaled by the measured run's own step over its bound: what a run at these
+    settings should take, extrapolated from the measured one (another depth, batch)."""
+    ratio = (measured or {}).get("roofline", {}).get("ratio")
+    if not ratio:
+        return None
+    layers = measured.get("config_values", {}).get("model", {}).get("layers", "?")
+    step = bound_s * ratio
+    return (f"expected step: {step:.3f} s ({tokens / step:,.0f} tokens/s), extrapolated: the "
+            f"bound times {ratio:.3f}, the measured run's step over its bound ({layers} "
+            f"layers, {measured['tokens_per_step']:,} tokens per step, "
+            f"{measured['median_step_s']:.3f} s)")

@@ -73,6 +73,7 @@ class StreamTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         mesh = mesh_for(cfg)
+        gpu, n = device_memory_bytes(), mesh.size if mesh else 1
         self.engine = StreamEngine(
             llama_templates(cfg, mesh.size if mesh else 1), optim.build_stream_optimizer(cfg),
             clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
@@ -80,8 +81,8 @@ class StreamTrainer:
             learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
             speculate=cfg.stream.speculate, speculate_share=cfg.stream.speculate_share,
             mesh=mesh, keep_attention=keep_attention(cfg, mesh), keep_layers=keep_layers(cfg, mesh),
-            keep_weights=memory.keep_weights_layers(cfg, device_memory_bytes(),
-                                                    mesh.size if mesh else 1),
+            keep_weights=memory.keep_weights_layers(cfg, gpu, n),
+            resident_embeddings=memory.embeddings_resident(cfg, gpu, n),
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go

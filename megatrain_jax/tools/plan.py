@@ -44,8 +44,9 @@ PINNED = ("master_weights", "optimizer_state", "gradients", "saved_inputs")
 
 
 def estimate(cfg: Config, gpu: int | None = None) -> dict:
-    """Bytes per component on the host and the device. `gpu` (bytes) is the GPU that
-    `stream.saved_inputs=auto` splits the saved inputs by (None: nvidia-smi's)."""
+    """Bytes per component on the host and the device. `gpu` (bytes) is the GPU room that
+    the automatic choices fit (where saved inputs wait, the kept attention and weights, the
+    embedding's and head's home; None: nvidia-smi's)."""
     m = cfg.model
     params = m.num_params
     state = 4 + optimizer_bytes(cfg)  # weights and optimizer state, bytes per parameter

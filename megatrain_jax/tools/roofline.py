@@ -30,7 +30,7 @@ bandwidth (a little less where the cache serves some: the weight pass may read a
 update has just written). Where the host's memory is slow, this term is the step.
 
 The optimizer's rate is the one input the link and the GPU do not set: measured on a sample
-(`measure`), or, better, as the median time of this model's own whole update timed alone
+(`tools.measure`), or, better, as the median time of this model's own whole update timed alone
 (bench_step.py's synced phases). The host's memory bandwidth is measured by an in-place
 streaming kernel beside a weight transfer, as the step shares it, and taken as at least the
 kernel's alone and what the update itself moved.

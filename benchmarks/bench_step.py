@@ -6,14 +6,16 @@
 tokens/s is the median over the timed steps; each step is timed to the moment its loss is on
 the host. `tokens_per_s_guessing` and `tokens_per_s_not_guessing` split the timed steps by
 whether their own update ran during their backward (`stream.speculate`; a step after one
-that clipped does not guess). `--phases N` adds N steps that wait at the end of each phase
-(forward, backward, update) to split the time; they update after the backward only (no
-guesses), and are reported apart and never mixed into tokens/s.
+that clipped does not guess, and a note on stderr says when some timed steps did not: with
+`--repeat-batch` the first steps clip, so give `--warmup` enough of them). `--phases N` adds
+N steps that wait at the end of each phase (forward, backward, update) to split the time;
+they update after the backward only (no guesses), and are reported apart and never mixed
+into tokens/s.
 The roofline inputs (H2D and D2H bandwidth, one layer's forward and backward, the head, the
 optimizer's rate, the host memory's bandwidth) are measured in the same process, after the
 timed steps, and the JSON carries the bound and the ratio achieved / bound
-(megatrain_jax/tools/roofline.py, docs/design.md). The optimizer's rate is the model's own
-update in the `--phases` steps (median), else a 64M sample's.
+(megatrain_jax/tools/roofline.py, tools/measure.py, docs/design.md). The optimizer's rate is
+the model's own update in the `--phases` steps (median), else a 64M sample's.
 With `--sweep`, the output is a JSON list, one object per batch size.
 """
 
@@ -162,6 +164,13 @@ def run(cfg, trainer, state, args):
     # The timed steps split by whether their own update ran during the backward: a median
     # over both mixes two regimes (the first steps after clipping ones do not guess).
     flags = guessing[args.warmup:]
+    if getattr(engine, "speculate", "off") != "off" and not all(flags):
+        which = ("none" if not any(flags) else f"only {flags.count(True)}") + \
+            f" of the {len(flags)} timed steps"
+        print(f"{which} updated during the backward (a step that clips, or follows one, does "
+              "not guess): " + ("the median mixes both, see tokens_per_s_guessing" if any(flags)
+                                else "they waited for their update") +
+              "; give --warmup more steps for steps that guess", file=sys.stderr)
     tokens_per_s_guessing = steps_tokens_per_s(tokens, [t for t, g in zip(timed, flags) if g])
     tokens_per_s_not = steps_tokens_per_s(tokens, [t for t, g in zip(timed, flags) if not g])
     p = cfg.model.num_params

@@ -4,10 +4,10 @@ A model's state is split into parts, in streaming order: `embed`, `layer 0` … 
 `head`. Each part's fp32 parameters and Optax state have one home: host memory (the
 `pinned_host` memory kind, streamed through the GPU at every visit) or, for the first
 `resident_layers` layers and with `resident_embeddings` the embedding and the head, GPU
-memory for the whole run. `Placement` answers which, moves
-trees between the two kinds, builds the state in place part by part, and gives the abstract
-shapes (with shardings) that a checkpoint restores into. No other module names a memory
-kind; tests grep the package for it.
+memory for the whole run. `Placement` answers which, moves trees between the two kinds,
+builds the state in place part by part, and gives the abstract shapes (with shardings) that
+a checkpoint restores into. No other module names a memory kind; tests grep the package for
+it.
 
     placement = Placement(resident_layers=2, resident_embeddings=True)
     params = placement.init_params(init_embed, init_layer, init_head, num_layers=32)

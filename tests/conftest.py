@@ -60,21 +60,23 @@ def side_by_side(cfg, steps: int):
         records.append({"ref_loss": float(rm["loss"]), "loss": float(m["loss"]),
                         "grad_norm": float(m["grad_norm"]), "ref_lr": float(rm["lr"]),
                         "lr": float(m["lr"]),
-                        "speculated": int(m.get("speculated_parts", 0))})
+                        "speculated": int(m.get("speculated_parts", 0)),
+                        "rolled_back": int(m.get("rolled_back_parts", 0))})
     return ref_state, state, stream, records
 
 
 def agrees_with_reference_while_clipping(cfg, steps: int):
     """side_by_side over `steps` batches, asserting that clipping at cfg.optim.clip_norm
     triggered on some steps and not on others, and that the streamed trainer agreed with the
-    reference (losses rtol 1e-5, parameters rel <= 1e-5). Returns the streamed trainer."""
+    reference (losses rtol 1e-5, parameters rel <= 1e-5). Returns the streamed trainer and
+    the records."""
     ref_state, state, stream, records = side_by_side(cfg, steps)
     clip, norms = cfg.optim.clip_norm, [r["grad_norm"] for r in records]
     assert any(n > clip for n in norms) and any(n < clip for n in norms), norms
     np.testing.assert_allclose([r["loss"] for r in records],
                                [r["ref_loss"] for r in records], rtol=1e-5)
     assert max_rel_error(state.params, ref_state.params) <= 1e-5
-    return stream
+    return stream, records
 
 
 @pytest.fixture

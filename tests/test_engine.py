@@ -38,10 +38,9 @@ CASES = {
     "tied": ["model.tie_embeddings=true"],
     "gqa_kv1": ["model.kv_heads=1"],
     "mha": ["model.kv_heads=4"],
-    "qk_norm": ["model.qk_norm=true"],
-    "qkv_bias": ["model.qkv_bias=true"],
     # the sequence tiled in the layer (MLP tiles, blockwise attention), as at long lengths
     "tiled": ["stream.mlp_tile=16", "stream.attention_chunk=8", "model.attention=blockwise"],
+    # qk_norm and qkv_bias alone add nothing this case does not cover
     "everything": ["model.tie_embeddings=true", "model.qk_norm=true", "model.qkv_bias=true",
                    "model.kv_heads=1", "data.micro_batches=2", "stream.prefetch_depth=3",
                    "stream.saved_inputs=pinned_host", "stream.loss_chunk=24"],

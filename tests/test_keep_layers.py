@@ -20,7 +20,7 @@ from megatrain_jax.train import trainers
 def test_streamed_with_saving_layers_matches_reference_with_clipping(micro_batches):
     cfg = tiny("model.layers=3", "data.batch_size=4", f"data.micro_batches={micro_batches}",
                "optim.lr=1e-2", "optim.clip_norm=1.5", "stream.keep_layers=2")
-    stream = agrees_with_reference_while_clipping(cfg, 6)
+    stream, _ = agrees_with_reference_while_clipping(cfg, 6)
     assert stream.engine.schedule.keep_layers == 2
 
 
@@ -133,7 +133,7 @@ def test_kept_attention_goes_to_the_layers_before_the_saving_ones(monkeypatch):
         return dataclasses.replace(built, layer_keeping=lambda *a: calls.append(1) or keeping(*a))
 
     monkeypatch.setattr("megatrain_jax.stream.engine.build_programs", counting)
-    stream = agrees_with_reference_while_clipping(on, 3)
+    stream, _ = agrees_with_reference_while_clipping(on, 3)
     assert stream.engine.schedule.keep_attention == 2 and stream.engine.schedule.keep_layers == 1
     assert len(calls) == 2 * 3  # layers 0 and 1 in each of the 3 steps
 

@@ -81,8 +81,7 @@ def test_nnx_gradients_equal_flax_grad(options):
     assert memory_kinds(state.params) == {"pinned_host"}
 
 
-@pytest.mark.parametrize("resident_layers,resident_embeddings", [(0, False), (1, False),
-                                                                 (0, True)])
+@pytest.mark.parametrize("resident_layers,resident_embeddings", [(0, False), (1, True)])
 def test_nnx_ten_steps_agree_with_ordinary_training(resident_layers, resident_embeddings):
     opt = optax.adamw(3e-3)
     step = streaming.from_nnx(*nnx_example.build(), nnx_example.summed_loss, opt,

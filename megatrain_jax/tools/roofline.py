@@ -233,7 +233,7 @@ def _limit(forward, backward, h2d, gradients, optimizer, host_memory) -> str:
 
 
 def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int,
-                         resident_layers: int = 0) -> int:
+                         resident_layers: int = 0, resident_embeddings: bool = False) -> int:
     """Tokens per step from which this engine's schedule is bound by compute alone.
 
     Layer compute grows linearly with tokens; transfers and the optimizer do not. The step is
@@ -241,7 +241,8 @@ def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int,
     it) and the backward outlasts the weight stream and the gradients' return. `rates` were
     measured at `tokens` per step.
     """
-    b = bound(model, rates, resident_layers=resident_layers)
+    b = bound(model, rates, resident_layers=resident_layers,
+              resident_embeddings=resident_embeddings)
     forward_per_token = b["compute_forward_s"] / tokens
     backward_per_token = b["compute_backward_s"] / tokens
     paced = max(b["h2d_per_pass_s"], b["host_memory_forward_s"])

@@ -105,7 +105,11 @@ def embeddings_resident(cfg: Config, gpu: int | None, devices: int = 1) -> bool:
 def resolved(cfg: Config, gpu: int | None, devices: int = 1) -> Config:
     """cfg with `stream.resident_embeddings` settled to on or off, as the trainer settles it
     on GPUs of `gpu` bytes (the host's share of the state and its traffic follow it)."""
-    on = embeddings_resident(cfg, gpu, devices)
+    return with_resident_embeddings(cfg, embeddings_resident(cfg, gpu, devices))
+
+
+def with_resident_embeddings(cfg: Config, on: bool) -> Config:
+    """cfg with `stream.resident_embeddings` set to on or off."""
     return replaced(cfg, "stream", resident_embeddings="on" if on else "off")
 
 

@@ -53,7 +53,7 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     n = planned_devices(cfg) if cfg.loop.trainer == "stream" else 1
     gpu = usable_gpu_bytes(gpu_memory_bytes()) if gpu is None else gpu
     device, saved_on_host = memory.step_bytes(cfg, n, gpu)
-    run = memory.resolved(cfg, gpu, n)
+    run = memory.with_resident_embeddings(cfg, device["resident_embeddings"] > 0)
     held = host_params(run)  # parameters whose state is on the host
     resident = params - held
     host = {
@@ -67,9 +67,8 @@ def estimate(cfg: Config, gpu: int | None = None) -> dict:
     # sized before JAX starts, and the trainer settles stream.resident_embeddings=auto from
     # XLA's view of the GPU, not nvidia-smi's: it keeps room for them unless they are `on`.
     pinned = sum(host[name] for name in PINNED)
-    off = replaced(cfg, "stream", resident_embeddings="off")
-    spare = 0 if cfg.stream.resident_embeddings == "on" else int(
-        (host_params(off) - held) * memory.resident_bytes_per_param(cfg))
+    auto_on = cfg.stream.resident_embeddings == "auto" and device["resident_embeddings"] > 0
+    spare = memory.resident_embedding_bytes(cfg) if auto_on else 0
     pool = n * pool_limit_gib(cfg, pinned + spare) * GiB  # one allocator a GPU
     held = n * _share(cfg, pinned, n)
     if held > pinned:

@@ -42,7 +42,7 @@ import dataclasses
 import math
 
 from megatrain_jax.config import ModelConfig, host_update, layer_grad_dtype
-from megatrain_jax.config.memory import optimizer_bytes
+from megatrain_jax.config.memory import optimizer_bytes, with_resident_embeddings
 from megatrain_jax.tools.probe import planned_devices
 
 # Host memory bytes of the in-place AdamW per parameter: p, g, mu, nu read; p, mu, nu written.
@@ -125,15 +125,13 @@ def streamed_params(model: ModelConfig, resident_layers: int = 0,
     """Parameters that live on the host: all but those of the layers kept on the GPU, and of
     the embedding and the head where they are kept there."""
     layers = (model.layers - resident_layers) * model.params_per_layer
-    return layers if resident_embeddings else model.num_params - resident_layers * (
-        model.params_per_layer)
+    embeddings = model.num_params - model.layers * model.params_per_layer
+    return layers + (0 if resident_embeddings else embeddings)
 
 
 def placed(cfg, placement):
     """cfg with stream.resident_embeddings as `placement` (an engine's) settled it."""
-    on = "on" if placement.resident_embeddings else "off"
-    return dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream,
-                                                               resident_embeddings=on))
+    return with_resident_embeddings(cfg, placement.resident_embeddings)
 
 
 def host_params(cfg) -> int:

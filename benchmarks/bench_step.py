@@ -102,6 +102,7 @@ def run(cfg, trainer, state, args):
     from megatrain_jax.tools.machine import (
         host_rss_bytes,
         host_rss_parts_bytes,
+        memory_gbps,
         peak_device_bytes,
         peak_flops,
     )
@@ -213,6 +214,10 @@ def run(cfg, trainer, state, args):
             phase["forward_wait"] = max(phase["forward"] - roofline["compute_forward_s"], 0.0)
             phase["backward_wait"] = max(phase["backward"] - roofline["compute_backward_s"],
                                          0.0)
+    # The host memory's speed, after the timed steps: the lent machines differ by up to 15%,
+    # and a step that updates on the host follows it (benchmarks/RESULTS.md).
+    host_gbps = roofline.get("host_memory_kernel_gbps") if roofline else (
+        memory_gbps() if getattr(engine, "host_optimizer", None) else None)
     result = {
         "config": args.config, "overrides": args.overrides, "trainer": cfg.loop.trainer,
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
@@ -242,6 +247,7 @@ def run(cfg, trainer, state, args):
         "host_state_memory_kinds": sorted(host_kinds),
         "phase_seconds_synced": phases,
         "pinned_pool_gb": os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"),
+        "host_memory_gbps": host_gbps,
         "config_values": to_dict(cfg),
     }
     return state, result

@@ -154,7 +154,7 @@ def cmd_plan(args) -> int:
         b = roofline.bound_for(run, rates, kept)
         tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step,
                                                cfg.stream.resident_layers,
-                                               run.stream.resident_embeddings == "on")
+                                               run.stream.resident_embeddings == "on", kept)
         host_rate = f"{rates.host_memory_gbps:.0f} GB/s" if rates.host_memory_gbps else "unmeasured"
         print(f"rates: H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, optimizer "
               f"{rates.optimizer_gparams:.2f} G params/s, host memory {host_rate}, "

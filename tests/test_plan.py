@@ -110,6 +110,19 @@ def test_compute_bound_tokens_is_where_compute_outlasts_transfers_and_updates():
     # The embedding and head on the GPU: the host's share, and so the pace, is smaller.
     assert roofline.compute_bound_tokens(cfg.model, rates, 16384,
                                          resident_embeddings=True) < tokens
+    # Where the backward's weight fetches pace it, layers that keep their forward's weights
+    # fetch none: half the layers keeping them, half the fetches.
+    fetching = roofline.Rates(h2d_gbps=50, d2h_gbps=1000, layer_forward_s=0.02,
+                              layer_backward_s=0.004, head_s=0.05, optimizer_gparams=50.0,
+                              overlapped_update=False)
+    every = roofline.compute_bound_tokens(cfg.model, fetching, 16384)
+    half = roofline.compute_bound_tokens(cfg.model, fetching, 16384, kept_layers=16)
+    b = roofline.bound(cfg.model, fetching, kept_layers=16)
+    assert b["h2d_backward_s"] == pytest.approx(
+        b["h2d_per_pass_s"] * (1 - 16 * cfg.model.params_per_layer
+                               / roofline.streamed_params(cfg.model)))
+    assert half < every and half == pytest.approx(
+        every * b["h2d_backward_s"] / b["h2d_per_pass_s"], rel=1e-3)
 
 
 def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monkeypatch,
@@ -141,7 +154,9 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
     assert "the largest cost: compute" in out and "host memory unmeasured" in out
     # The head is serial, so the layers' forward must outlast the paced stream alone: about
     # 52k tokens at these rates, with the host holding the layers only (54k with all).
-    tokens = roofline.compute_bound_tokens(cfg.model, rates, 16384, resident_embeddings=True)
+    kept = memory.unfetched_layers(cfg, plan.usable_gpu_bytes(139 * GiB))
+    tokens = roofline.compute_bound_tokens(cfg.model, rates, 16384, resident_embeddings=True,
+                                           kept_layers=kept)
     assert f"compute-bound from about {tokens:,} tokens" in out and 52_000 < tokens < 53_000
 
 

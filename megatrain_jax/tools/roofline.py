@@ -113,7 +113,8 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
         step = max(forward, weight_pass) + head + backward_step + optimizer
     return {
         "compute_forward_s": forward, "compute_head_s": head, "compute_backward_s": backward,
-        "h2d_per_pass_s": weight_pass, "d2h_s": gradients, "optimizer_s": optimizer,
+        "h2d_per_pass_s": weight_pass, "h2d_backward_s": refetched * weight_pass,
+        "d2h_s": gradients, "optimizer_s": optimizer,
         "host_memory_forward_s": host["forward"], "host_memory_backward_s": host["backward"],
         "ideal_s": ideal, "step_s": step,
         "limited_by": _limit(forward + head, backward, h2d, gradients, optimizer, host_total),
@@ -231,16 +232,18 @@ def _limit(forward, backward, h2d, gradients, optimizer, host_memory) -> str:
 
 
 def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int,
-                         resident_layers: int = 0, resident_embeddings: bool = False) -> int:
+                         resident_layers: int = 0, resident_embeddings: bool = False,
+                         kept_layers: int = 0) -> int:
     """Tokens per step from which this engine's schedule is bound by compute alone.
 
     Layer compute grows linearly with tokens; transfers and the optimizer do not. The step is
     compute-bound once the forward outlasts the weight stream (and the host update that paces
-    it) and the backward outlasts the weight stream and the gradients' return. `rates` were
-    measured at `tokens` per step.
+    it) and the backward outlasts its own weight fetches (none for the `kept_layers`, which
+    take the weights their forward fetched) and the gradients' return. `rates` were measured
+    at `tokens` per step.
     """
     b = bound(model, rates, resident_layers=resident_layers,
-              resident_embeddings=resident_embeddings)
+              resident_embeddings=resident_embeddings, kept_layers=kept_layers)
     forward_per_token = b["compute_forward_s"] / tokens
     backward_per_token = b["compute_backward_s"] / tokens
     paced = max(b["h2d_per_pass_s"], b["host_memory_forward_s"])
@@ -248,7 +251,7 @@ def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int,
         paced = max(paced, b["optimizer_s"])
     if forward_per_token <= 0 or backward_per_token <= 0:
         return 0
-    backward_paced = max(b["h2d_per_pass_s"], b["d2h_s"], b["host_memory_backward_s"])
+    backward_paced = max(b["h2d_backward_s"], b["d2h_s"], b["host_memory_backward_s"])
     return math.ceil(max(paced / forward_per_token, backward_paced / backward_per_token))
 
 

@@ -3,13 +3,15 @@ fetched, and their backward takes them instead of fetching them again. The same 
 the same training bit for bit, with half the weight transfers of those layers; the
 planner's count of the layers that keep them."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
 from conftest import Transfers, tiny
 
 from megatrain_jax import model
-from megatrain_jax.config import load_config, memory
+from megatrain_jax.config import ConfigError, load_config, memory
 from megatrain_jax.io.data import TokenSource
 from megatrain_jax.tools import plan, roofline
 from megatrain_jax.train import StreamTrainer, trainers
@@ -43,6 +45,30 @@ def test_kept_weights_travel_once_a_step_and_train_the_same_bits():
     assert [moved.count(f"input {i}") for i in range(3)] == [1, 1, 1]
     for x, y in zip(jax.tree.leaves(fetched_twice), jax.tree.leaves(on_host)):
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_number_keeps_that_many_of_the_last_layers_whatever_the_room(tmp_path):
+    """`stream.keep_weights=2` (a GPU memory budget): the last two layers keep theirs, the
+    first is fetched again for its backward; the same bits as fetching every layer twice."""
+    _, fetched_twice, _ = _run("stream.keep_weights=off")
+    two, fetched, moved = _run("stream.keep_weights=2")
+    assert two.cfg.stream.keep_weights == "2" and two.engine.schedule.keep_weights == 2
+    assert [moved.count(f"layer {i}") for i in range(3)] == [2, 1, 1]
+    for x, y in zip(jax.tree.leaves(fetched_twice), jax.tree.leaves(fetched)):
+        np.testing.assert_array_equal(x, y)
+    cfg = two.cfg
+    assert memory.keep_weights_layers(cfg, None) == 2  # the room does not decide it
+    device, _ = memory.step_bytes(cfg, 1, None)
+    assert device["kept_weights"] == 2 * memory.weights_per_layer(cfg)
+    # A JSON config's whole number, as a string's digits; more than the layers fetched twice,
+    # or another word, refused with what it takes.
+    path = tmp_path / "kept.json"
+    path.write_text(json.dumps({"model": {"layers": 2}, "stream": {"keep_weights": 1}}))
+    assert load_config(str(path)).stream.keep_weights == "1"
+    with pytest.raises(ConfigError, match=r"keep_weights \(3\) exceeds the 2 layers fetched"):
+        tiny("model.layers=3", "stream.resident_layers=1", "stream.keep_weights=3")
+    with pytest.raises(ConfigError, match="not one of auto, on, off or a number of layers"):
+        tiny("stream.keep_weights=most")
 
 
 def test_auto_keeps_them_by_the_room_the_device_reports(monkeypatch):

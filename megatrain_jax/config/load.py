@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from megatrain_jax.config.schema import CHOICES, Config, ConfigError, validate
+from megatrain_jax.config.schema import CHOICES, COUNTS, Config, ConfigError, validate
 
 
 def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
@@ -52,10 +52,15 @@ def _coerce(value: Any, typ: type, key: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     elif typ is str:
+        if key in COUNTS and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # a count of layers, as `key=3` or JSON's 3 give it
         if isinstance(value, str):
             allowed = CHOICES.get(key)
-            if allowed and value not in allowed:
-                raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}.")
+            counted = key in COUNTS and value.isdigit()
+            if allowed and value not in allowed and not counted:
+                counts = " or a number of layers" if key in COUNTS else ""
+                raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}"
+                                  f"{counts}.")
             return value
     raise ConfigError(f"{key}: expected {typ.__name__}, got {type(value).__name__} {value!r}.")
 

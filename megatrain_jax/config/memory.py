@@ -116,9 +116,9 @@ def with_resident_embeddings(cfg: Config, on: bool) -> Config:
 def keep_weights_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
     """How many streamed layers, the last ones before the saving layers, keep on the GPU the
     weights their forward fetched for their backward, which then fetches none, under
-    `stream.keep_weights`: `on` every such layer, `off` none, `auto` as many as the GPU room
-    left after the saved inputs and the kept attention holds, less one more layer's working
-    set (none where the room is unknown)."""
+    `stream.keep_weights`: `on` every such layer, `off` none, a number that many, `auto` as
+    many as the GPU room left after the saved inputs and the kept attention holds, less one
+    more layer's working set (none where the room is unknown)."""
     device, _ = step_bytes(cfg, devices, gpu)
     return device["kept_weights"] // weights_per_layer(cfg, devices)
 
@@ -137,6 +137,8 @@ def weights_per_layer(cfg: Config, devices: int = 1) -> int:
 def _keeping_weights(local: Config, devices: int, room: int | None) -> int:
     s, m = local.stream, local.model
     layers = max(0, m.layers - s.keep_layers - s.resident_layers)  # those fetched twice
+    if s.keep_weights.isdigit():  # a number of layers (validate keeps it within them)
+        return min(layers, int(s.keep_weights))
     if s.keep_weights != "auto":
         return layers if s.keep_weights == "on" else 0
     if room is None:

@@ -172,7 +172,7 @@ class StreamConfig:
     # through the host's memory and the link, for as much GPU memory, 1/N a GPU of a mesh):
     # auto (as many as the GPU's room holds after the saved inputs and the kept attention,
     # with one more layer's working set free; none where the room is unknown), on (every
-    # streamed layer), off.
+    # streamed layer), off, or a number of layers (the last ones; for a GPU memory budget).
     keep_weights: str = "auto"
 
 
@@ -239,6 +239,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loop.progress": ("auto", "bar", "plain", "none"),
     "loop.tensorboard": ("auto", "on", "off"),
 }
+# Choices that also take a number of layers instead (given as a whole number, kept as its
+# digits).
+COUNTS = ("stream.keep_weights",)
 
 
 # Optimizers with an in-place host kernel (megatrain_jax.optim.host_adamw); the others update on
@@ -268,6 +271,7 @@ MOMENT_BLOCK = 256
 def validate(cfg: Config) -> Config:
     """Checks relations between values that types alone cannot."""
     m, d, s = cfg.model, cfg.data, cfg.stream
+    fetched_twice = m.layers - s.keep_layers - s.resident_layers  # for forward and backward
     checks = [
         (m.hidden > 0 and m.layers > 0 and m.heads > 0 and m.ffn > 0, "model sizes must be > 0"),
         (m.kv_heads > 0 and m.heads % m.kv_heads == 0,
@@ -298,6 +302,10 @@ def validate(cfg: Config) -> Config:
         (0 <= s.resident_layers <= m.layers,
          f"stream.resident_layers ({s.resident_layers}) must be within [0, model.layers = "
          f"{m.layers}]"),
+        (not s.keep_weights.isdigit() or int(s.keep_weights) <= fetched_twice,
+         f"stream.keep_weights ({s.keep_weights}) exceeds the {max(0, fetched_twice)} layers "
+         "fetched for their backward (model.layers less stream.keep_layers and "
+         "stream.resident_layers); `on` keeps every one of them"),
         (0 <= s.keep_layers <= m.layers,
          f"stream.keep_layers ({s.keep_layers}) must be within [0, model.layers = {m.layers}]"),
         (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),

@@ -5,13 +5,15 @@ to a fifth on the lent machines, so a pair of separate runs cannot tell a few pe
     python benchmarks/ab_step.py 7b --arm off=off --arm auto=auto --arm half=auto:0.5 \\
         --rounds 3 --steps 3 --warmup 4 [--repeat-batch] [key=value ...] [--out FILE]
 
-An arm is NAME=SPECULATE[:SHARE]: the engine's `stream.speculate` (off, auto, on) and
-`stream.speculate_share` (default 1). After `--warmup` steps, each round runs every arm for
-`--steps` steps, the arms' order rotating from round to round; the first step of each block
-is not timed (the update it waits for was the last arm's). Prints one JSON object: per arm
-the timed steps, their median and tokens/s, tokens/s over the timed steps whose own update
-guessed (`tokens_per_s_guessing`: a step after one that clipped does not), the parts guessed
-and undone; a table last.
+An arm is NAME=SPECULATE[:SHARE[:KEPT]]: the engine's `stream.speculate` (off, auto, on),
+`stream.speculate_share` (default 1) and how many layers keep the weights their forward
+fetched for their backward (`stream.keep_weights` as a number; default: the config's, as
+`train` settles it; the process's GPU peak is the largest arm's). After `--warmup` steps,
+each round runs every arm for `--steps` steps, the arms' order rotating from round to round;
+the first step of each block is not timed (the update it waits for was the last arm's).
+Prints one JSON object: per arm the timed steps, their median and tokens/s, tokens/s over
+the timed steps whose own update guessed (`tokens_per_s_guessing`: a step after one that
+clipped does not), the parts guessed and undone; a table last.
 `--out` is rewritten after every round, so a run cut short keeps its finished rounds.
 """
 
@@ -34,16 +36,19 @@ from megatrain_jax.config import load_config  # noqa: E402
 from megatrain_jax.tools import plan  # noqa: E402  (no JAX yet: the pool is sized first)
 
 
-def parse_arm(text: str) -> tuple[str, str, float]:
+def parse_arm(text: str) -> tuple[str, str, float, int | None]:
     name, _, setting = text.partition("=")
-    speculate, _, share = setting.partition(":")
+    speculate, _, rest = setting.partition(":")
+    share, _, kept = rest.partition(":")
     try:
         share = float(share or 1.0)
     except ValueError:
         share = -1.0
-    if not name or speculate not in ("off", "auto", "on") or not 0 < share <= 1:
-        raise SystemExit(f"--arm {text!r}: expected NAME=SPECULATE[:SHARE], e.g. half=auto:0.5")
-    return name, speculate, share
+    if not name or speculate not in ("off", "auto", "on") or not 0 < share <= 1 or \
+            (kept and not kept.isdigit()):
+        raise SystemExit(f"--arm {text!r}: expected NAME=SPECULATE[:SHARE[:KEPT]], e.g. "
+                         "half=auto:0.5 or k3=auto:1:3")
+    return name, speculate, share, int(kept) if kept else None
 
 
 def main() -> None:
@@ -76,9 +81,17 @@ def main() -> None:
     engine, data = trainer.engine, TokenSource(cfg)
     if engine.host_optimizer is None:
         raise SystemExit("the arms set the host update: use an optimizer with a host kernel")
+    fetched_twice = cfg.model.layers - cfg.stream.keep_layers - cfg.stream.resident_layers
+    for name, _, _, kept in args.arm:
+        if kept is not None and kept > fetched_twice:
+            raise SystemExit(f"--arm {name}: {kept} layers keeping their weights, of the "
+                             f"{fetched_twice} fetched for their backward")
     state = trainer.init(jax.random.key(cfg.loop.seed))
-    arms = {name: {"speculate": s, "share": share, "step_s": [], "guessing": [],
-                   "speculated": [], "rolled_back": []} for name, s, share in args.arm}
+    default_kept = engine.schedule.keep_weights
+    arms = {name: {"speculate": s, "share": share,
+                   "kept": default_kept if kept is None else kept, "step_s": [],
+                   "guessing": [], "speculated": [], "rolled_back": []}
+            for name, s, share, kept in args.arm}
     step = 0
 
     def one_step(arm: dict | None) -> tuple[float, dict]:
@@ -100,6 +113,7 @@ def main() -> None:
         for name in names[r % len(names):] + names[:r % len(names)]:
             arm = arms[name]
             engine.speculate, engine.speculate_share = arm["speculate"], arm["share"]
+            engine.schedule.keep_weights = arm["kept"]
             for k in range(args.steps):
                 seconds, metrics = one_step({"name": name})
                 if k:
@@ -121,13 +135,14 @@ def main() -> None:
         if args.out and r + 1 < args.rounds:
             args.out.write_text(json.dumps(result) + "\n")
     emit(result, args.out)
-    print(f"{'arm':10} {'speculate':9} {'share':>5} {'tok/s':>8} {'guessing':>8} {'median s':>8}"
-          "  steps (* guessed); parts guessed")
+    print(f"{'arm':10} {'speculate':9} {'share':>5} {'kept':>4} {'tok/s':>8} {'guessing':>8} "
+          f"{'median s':>8}  steps (* guessed); parts guessed")
     for name, arm in arms.items():
         steps = " ".join(f"{s:.2f}{'*' if g else ''}" for s, g in zip(arm["step_s"],
                                                                        arm["guessing"]))
         guessing = arm["tokens_per_s_guessing"]
-        print(f"{name:10} {arm['speculate']:9} {arm['share']:5.2f} {arm['tokens_per_s']:8,.0f} "
+        print(f"{name:10} {arm['speculate']:9} {arm['share']:5.2f} {arm['kept']:4d} "
+              f"{arm['tokens_per_s']:8,.0f} "
               f"{f'{guessing:,.0f}' if guessing else '-':>8} {arm['median_step_s']:8.3f}  "
               f"{steps}; {arm['speculated']}")
 

@@ -71,6 +71,22 @@ def test_a_number_keeps_that_many_of_the_last_layers_whatever_the_room(tmp_path)
         tiny("stream.keep_weights=most")
 
 
+def test_the_count_is_read_each_step():
+    """benchmarks/ab_step.py switches the count between steps of one process (its arms'
+    KEPT): the next step's backward fetches accordingly."""
+    cfg = tiny("model.layers=3", "data.batch_size=4", "stream.keep_weights=off")
+    trainer, data = StreamTrainer(cfg), TokenSource(cfg)
+    state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
+    fetches = []
+    for step, kept in enumerate((0, 2, 0)):
+        trainer.engine.schedule.keep_weights = kept
+        transfers = Transfers()
+        state, _ = trainer.train_step(state, data.batch_at(step), tracer=transfers)
+        fetches.append([transfers.h2d.count(f"layer {i}") for i in range(3)])
+    state.wait()
+    assert fetches == [[2, 2, 2], [2, 1, 1], [2, 2, 2]]
+
+
 def test_auto_keeps_them_by_the_room_the_device_reports(monkeypatch):
     cfg = tiny("model.layers=3")
     assert cfg.stream.keep_weights == "auto"  # the default

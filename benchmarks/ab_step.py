@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, tokens_per_s  # noqa: E402
 
 from megatrain_jax.config import load_config  # noqa: E402
+from megatrain_jax.config.schema import layers_fetched_twice  # noqa: E402
 from megatrain_jax.tools import plan  # noqa: E402  (no JAX yet: the pool is sized first)
 
 
@@ -81,7 +82,7 @@ def main() -> None:
     engine, data = trainer.engine, TokenSource(cfg)
     if engine.host_optimizer is None:
         raise SystemExit("the arms set the host update: use an optimizer with a host kernel")
-    fetched_twice = cfg.model.layers - cfg.stream.keep_layers - cfg.stream.resident_layers
+    fetched_twice = layers_fetched_twice(cfg)
     for name, _, _, kept in args.arm:
         if kept is not None and kept > fetched_twice:
             raise SystemExit(f"--arm {name}: {kept} layers keeping their weights, of the "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatrain_jax.config import auto
-from megatrain_jax.config.schema import MOMENT_BLOCK, Config
+from megatrain_jax.config.schema import MOMENT_BLOCK, Config, layers_fetched_twice
 
 GiB = 2**30
 # Host-held layer inputs on the GPU at once in the backward: the one in use and the next.
@@ -68,8 +68,7 @@ def step_bytes(cfg: Config, devices: int, gpu: int | None) -> tuple[dict, int]:
 
 def embedding_params(cfg: Config) -> int:
     """Parameters outside the layers: the embedding and the head with the final norm."""
-    m = cfg.model
-    return m.num_params - m.layers * m.params_per_layer
+    return cfg.model.embedding_params
 
 
 def resident_embedding_bytes(cfg: Config, devices: int = 1) -> int:
@@ -135,8 +134,7 @@ def weights_per_layer(cfg: Config, devices: int = 1) -> int:
 
 
 def _keeping_weights(local: Config, devices: int, room: int | None) -> int:
-    s, m = local.stream, local.model
-    layers = max(0, m.layers - s.keep_layers - s.resident_layers)  # those fetched twice
+    s, layers = local.stream, layers_fetched_twice(local)
     if s.keep_weights.isdigit():  # a number of layers (validate keeps it within them)
         return min(layers, int(s.keep_weights))
     if s.keep_weights != "auto":

@@ -73,10 +73,14 @@ class ModelConfig:
         return attn + bias + qk_norm + 3 * d * f + 2 * d
 
     @property
-    def num_params(self) -> int:
+    def embedding_params(self) -> int:
+        """Parameters outside the layers: the embedding and the head with the final norm."""
         embed = self.vocab_size * self.hidden
-        head = self.hidden + (0 if self.tie_embeddings else self.vocab_size * self.hidden)
-        return embed + self.layers * self.params_per_layer + head
+        return embed + self.hidden + (0 if self.tie_embeddings else embed)
+
+    @property
+    def num_params(self) -> int:
+        return self.embedding_params + self.layers * self.params_per_layer
 
 
 @dataclass(frozen=True)
@@ -268,10 +272,17 @@ MOMENT_BLOCK = 256
 
 
 
+def layers_fetched_twice(cfg: Config) -> int:
+    """The layers whose weights the forward fetches and the backward fetches again, unless
+    they keep them (stream.keep_weights): all but the resident and the saving layers."""
+    s = cfg.stream
+    return max(0, cfg.model.layers - s.keep_layers - s.resident_layers)
+
+
 def validate(cfg: Config) -> Config:
     """Checks relations between values that types alone cannot."""
     m, d, s = cfg.model, cfg.data, cfg.stream
-    fetched_twice = m.layers - s.keep_layers - s.resident_layers  # for forward and backward
+    fetched_twice = layers_fetched_twice(cfg)
     checks = [
         (m.hidden > 0 and m.layers > 0 and m.heads > 0 and m.ffn > 0, "model sizes must be > 0"),
         (m.kv_heads > 0 and m.heads % m.kv_heads == 0,
@@ -303,7 +314,7 @@ def validate(cfg: Config) -> Config:
          f"stream.resident_layers ({s.resident_layers}) must be within [0, model.layers = "
          f"{m.layers}]"),
         (not s.keep_weights.isdigit() or int(s.keep_weights) <= fetched_twice,
-         f"stream.keep_weights ({s.keep_weights}) exceeds the {max(0, fetched_twice)} layers "
+         f"stream.keep_weights ({s.keep_weights}) exceeds the {fetched_twice} layers "
          "fetched for their backward (model.layers less stream.keep_layers and "
          "stream.resident_layers); `on` keeps every one of them"),
         (0 <= s.keep_layers <= m.layers,

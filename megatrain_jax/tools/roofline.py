@@ -126,8 +126,7 @@ def streamed_params(model: ModelConfig, resident_layers: int = 0,
     """Parameters that live on the host: all but those of the layers kept on the GPU, and of
     the embedding and the head where they are kept there."""
     layers = (model.layers - resident_layers) * model.params_per_layer
-    embeddings = model.num_params - model.layers * model.params_per_layer
-    return layers + (0 if resident_embeddings else embeddings)
+    return layers + (0 if resident_embeddings else model.embedding_params)
 
 
 def placed(cfg, placement):

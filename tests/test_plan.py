@@ -269,6 +269,30 @@ def test_host_memory_traffic_bounds_each_phase():
     assert serial["host_memory_forward_s"] == pytest.approx(4 * p / 100e9)
 
 
+def test_transfers_beside_the_host_update_slow_it_while_they_run():
+    """An update that outlasts the weight pass loses `update_loss_h2d` of each of its
+    seconds; one that ends first runs slowed throughout; the backward's share loses to both
+    transfers. A device update is serial and loses nothing to them."""
+    cfg = load_config("7b", ["stream.grad_dtype=float32"])
+    rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
+                           layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0)
+    plain = roofline.bound(cfg.model, rates, speculate=0.5)
+    lossy = dataclasses.replace(rates, update_loss_h2d=0.3, update_loss_d2h=0.2)
+    b = roofline.bound(cfg.model, lossy, speculate=0.5)
+    half, weights, grads = 0.5 * plain["optimizer_s"], b["h2d_per_pass_s"], b["d2h_s"]
+    assert half / 0.7 > weights  # the slowed update outlasts the weight pass
+    assert plain["update_forward_s"] == pytest.approx(half)
+    assert b["update_forward_s"] == pytest.approx(half + 0.3 * weights)
+    assert b["update_backward_s"] == pytest.approx(half + 0.3 * weights + 0.2 * grads)
+    assert b["step_s"] > plain["step_s"]
+    short = roofline.bound(cfg.model, dataclasses.replace(lossy, optimizer_gparams=400.0),
+                           speculate=0.5)
+    assert short["update_forward_s"] == pytest.approx(0.5 * short["optimizer_s"] / 0.7)
+    serial = roofline.bound(cfg.model, dataclasses.replace(lossy, overlapped_update=False))
+    assert serial["step_s"] == pytest.approx(roofline.bound(
+        cfg.model, dataclasses.replace(rates, overlapped_update=False))["step_s"])
+
+
 def test_the_update_moves_the_bytes_of_its_moments():
     """fp32 moments: 28 bytes per parameter through host memory; bf16 moments 20; int8
     about 16 (a byte and a share of a block's scale per moment, each way); bf16 gradients 2
@@ -348,6 +372,7 @@ def test_measured_host_memory_is_at_least_what_the_update_moved(small_samples):
     rates = measure_rates(load_config("tiny"))
     assert rates.overlapped_update
     assert rates.host_memory_gbps >= rates.optimizer_gparams * roofline.HOST_UPDATE_BYTES > 0
+    assert 0 <= rates.update_loss_h2d < 1 and 0 <= rates.update_loss_d2h < 1
 
 
 def test_bf16_layer_gradients_halve_their_host_bytes_and_traffic():

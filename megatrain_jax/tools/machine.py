@@ -80,7 +80,7 @@ def memory_record() -> dict:
 
 def memory_gbps(mfloats: int = 128, repeats: int = 3,
                 beside: tuple[Callable[[], object], int] | None = None,
-                window_s: float = 0.5) -> float:
+                window_s: float = 0.5, own: bool = False) -> float:
     """The host memory's bandwidth in GB/s, from an in-place streaming kernel on all cores.
 
     `a += 0.5 * b` over two arrays of `mfloats` M fp32 values (far past any cache) moves 12
@@ -92,7 +92,8 @@ def memory_gbps(mfloats: int = 128, repeats: int = 3,
     at least `window_s`; the result is then both's bytes over the window, what the host
     memory gives the update and the link's DMA at once, as in a step. The kernel alone
     does not draw all of it (an H200 machine: 110.9 GB/s alone, 127.8 beside a copy of two
-    7b layers to the GPU; benchmarks/RESULTS.md, 2026-11-25).
+    7b layers to the GPU; benchmarks/RESULTS.md, 2026-11-25). With `own`, the kernel's bytes
+    alone over that window: what the transfer leaves the update.
     """
     try:
         import numba
@@ -134,5 +135,5 @@ def memory_gbps(mfloats: int = 128, repeats: int = 3,
     stop.set()
     thread.join()
     # Whole copies that ended in the window: about as many bytes as the link moved in it.
-    moved = nbytes * sum(1 for t in finished if start < t <= end)
+    moved = 0 if own else nbytes * sum(1 for t in finished if start < t <= end)
     return (12 * n * passes + moved) / (end - start) / 1e9

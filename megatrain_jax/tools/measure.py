@@ -39,8 +39,11 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     host memory's bandwidth is the largest of a streaming kernel's alone
     (`host_memory_kernel_gbps`), the same kernel's and a weight transfer's together
     (`host_memory_shared_gbps`: the DMA adds to what the kernel draws), and what the host
-    update moved at the optimizer's rate. `kept_layers`: the engine's whose backward fetches
-    no weights (its saving layers and those keeping the forward's weights).
+    update moved at the optimizer's rate. The update's losses beside the transfers
+    (`update_loss_h2d`, `update_loss_d2h`) are from the kernel's own rate beside a copy of the
+    layers each way (`host_memory_left_by_h2d_gbps`, `..._d2h_gbps`) against its rate alone.
+    `kept_layers`: the engine's whose backward fetches no weights (its saving layers and those
+    keeping the forward's weights).
     """
     import jax
     import jax.numpy as jnp
@@ -74,15 +77,24 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     head_s = median_seconds(head_and_embed_backward)
     sample = _optimizer_rate(engine)
     alone = machine.memory_gbps()
-    shared = machine.memory_gbps(beside=(lambda: block(place.to_device(layers)), nbytes))
+    weights_in = (lambda: block(place.to_device(layers)), nbytes)
+    weights_out = (lambda: block(place.to_host(on_device)), nbytes)  # as gradients go back
+    shared = machine.memory_gbps(beside=weights_in)
+    # What each transfer leaves the kernel: the update's loss while it runs.
+    left = {way: machine.memory_gbps(beside=move, own=True) if alone else alone
+            for way, move in (("h2d", weights_in), ("d2h", weights_out))}
+    loss = {way: min(max(1 - gbps / alone, 0.0), 1.0) if alone else 0.0
+            for way, gbps in left.items()}
     rates = at_optimizer_rate(
         Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
-              overlapped_update=engine.host_optimizer is not None),
+              overlapped_update=engine.host_optimizer is not None,
+              update_loss_h2d=loss["h2d"], update_loss_d2h=loss["d2h"]),
         optimizer_gparams or sample, max(alone, shared), update_bytes(cfg))
     kept = engine.schedule.keep_weights + engine.schedule.keep_layers
     return {**dataclasses.asdict(rates), **bound_for(cfg, rates, kept), "kept_layers": kept,
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": alone,
-            "host_memory_shared_gbps": shared}
+            "host_memory_shared_gbps": shared, "host_memory_left_by_h2d_gbps": left["h2d"],
+            "host_memory_left_by_d2h_gbps": left["d2h"]}
 
 
 def _optimizer_rate(engine) -> float:

@@ -9,12 +9,14 @@ compute, weight traffic, gradient traffic and optimizer time. `step_s` is the bo
 exact schedule this engine runs: global-norm clipping needs every gradient before any
 update, and the next forward needs each layer's update, so a step is at best
 
-    forward  = max(layers' forward compute, one weight pass H2D, host optimizer,
+    forward  = max(layers' forward compute, one weight pass H2D,
+                   host optimizer slowed by the weight pass beside it,
                    host memory traffic of the update and the weight pass)
   + head     = head forward and backward, embedding backward
   + backward = max(layers' backward compute, one weight pass H2D (but the layers that keep
                    the forward's: stream.keep_weights), gradients D2H,
-                   host memory traffic of that weight pass and the gradients)
+                   host memory traffic of that weight pass and the gradients,
+                   the guessed share of the optimizer slowed by both transfers beside it)
 
 The head term is serial whatever the schedule: the head computes on the last layer's output
 with its own updated weights, so it follows the last part's update, and the backward starts
@@ -29,11 +31,18 @@ however the update and the DMA are scheduled, a phase lasts about its bytes over
 bandwidth (a little less where the cache serves some: the weight pass may read a part its
 update has just written). Where the host's memory is slow, this term is the step.
 
+The DMA and the update do not share it as one pool, though: the update, alone, draws less
+than the memory gives both together, and while a transfer runs it gets less than alone. So
+the optimizer's time in a phase is its time alone plus, per transfer beside it, the share of
+its rate that transfer takes (`update_loss_h2d`, `update_loss_d2h`: one less the streaming
+kernel's own rate beside a copy each way over its rate alone) times the transfer's seconds.
+
 The optimizer's rate is the one input the link and the GPU do not set: measured on a sample
 (`tools.measure`), or, better, as the median time of this model's own whole update timed alone
 (bench_step.py's synced phases). The host's memory bandwidth is measured by an in-place
 streaming kernel beside a weight transfer, as the step shares it, and taken as at least the
-kernel's alone and what the update itself moved.
+kernel's alone and what the update itself moved; the losses by the same kernel's own bytes
+beside a copy to the device and beside one back.
 """
 
 from __future__ import annotations
@@ -59,6 +68,10 @@ class Rates:
     optimizer_gparams: float  # optimizer update rate, G params/s
     overlapped_update: bool = True  # host update overlapping the next forward
     host_memory_gbps: float = 0.0  # the host DRAM's bandwidth; 0: unknown, no such term
+    # Seconds of the host update's work lost per second of a transfer beside it, to the device
+    # and back: 1 - a streaming kernel's rate beside that copy over its rate alone; 0: none.
+    update_loss_h2d: float = 0.0
+    update_loss_d2h: float = 0.0
 
     @classmethod
     def from_result(cls, result: dict) -> "Rates":
@@ -103,22 +116,41 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     h2d, host_total = (1 + refetched) * weight_pass, host["forward"] + host["backward"]
     ideal = max(forward + head + backward, h2d, gradients, optimizer, host_total)
     backward_step = max(backward, refetched * weight_pass, gradients, host["backward"])
+    # The host update beside each phase's transfers, which slow it while they run.
+    update_forward = _beside_transfers((1 - share) * optimizer,
+                                       (rates.update_loss_h2d, weight_pass))
+    update_backward = _beside_transfers(share * optimizer,
+                                        (rates.update_loss_h2d, refetched * weight_pass),
+                                        (rates.update_loss_d2h, gradients))
     if share:
         last_layer = model.params_per_layer / (rates.optimizer_gparams * 1e9)
-        step = (max(forward, weight_pass, (1 - share) * optimizer, host["forward"]) + head
-                + max(backward_step, share * optimizer) + last_layer)
+        step = (max(forward, weight_pass, update_forward, host["forward"]) + head
+                + max(backward_step, update_backward) + last_layer)
     elif rates.overlapped_update:
-        step = max(forward, weight_pass, optimizer, host["forward"]) + head + backward_step
+        step = max(forward, weight_pass, update_forward, host["forward"]) + head + backward_step
     else:
+        update_forward = update_backward = 0.0
         step = max(forward, weight_pass) + head + backward_step + optimizer
     return {
         "compute_forward_s": forward, "compute_head_s": head, "compute_backward_s": backward,
         "h2d_per_pass_s": weight_pass, "h2d_backward_s": refetched * weight_pass,
         "d2h_s": gradients, "optimizer_s": optimizer,
         "host_memory_forward_s": host["forward"], "host_memory_backward_s": host["backward"],
+        "update_forward_s": update_forward, "update_backward_s": update_backward,
         "ideal_s": ideal, "step_s": step,
         "limited_by": _limit(forward + head, backward, h2d, gradients, optimizer, host_total),
     }
+
+
+def _beside_transfers(work_s: float, *transfers: tuple[float, float]) -> float:
+    """Seconds of `work_s` of host update run beside transfers (loss, seconds) that start with
+    it: while one runs the update loses `loss` of each second, so an update that outlasts them
+    takes loss x their seconds more, one that ends first is slowed throughout."""
+    if work_s <= 0:
+        return 0.0
+    lost = sum(loss * seconds for loss, seconds in transfers)
+    kept = 1 - sum(loss for loss, _ in transfers)
+    return min(work_s + lost, work_s / kept) if kept > 0 else work_s + lost
 
 
 def streamed_params(model: ModelConfig, resident_layers: int = 0,

@@ -28,7 +28,7 @@ from megatrain_jax.config import (
 )
 from megatrain_jax.config.memory_lines import describe
 from megatrain_jax.io.checkpoint import CheckpointError
-from megatrain_jax.tools import distributed
+from megatrain_jax.tools import distributed, roofline
 from megatrain_jax.tools import plan as planner
 
 EPILOG = """\
@@ -147,19 +147,19 @@ def cmd_plan(args) -> int:
         print("compute-bound from: needs measured rates; add --measure on the training machine "
               "(or --rates a bench_step.py JSON)")
     else:
-        from megatrain_jax.tools import roofline
-
         kept = memory.unfetched_layers(cfg, gpu, est["devices"])
         run = memory.resolved(cfg, gpu, est["devices"])  # auto settled as `train` settles it
         b = roofline.bound_for(run, rates, kept)
         tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step,
                                                cfg.stream.resident_layers,
                                                run.stream.resident_embeddings == "on", kept)
-        host_rate = f"{rates.host_memory_gbps:.0f} GB/s" if rates.host_memory_gbps else "unmeasured"
+        host_rate = (f"{rates.host_memory_gbps:.0f} GB/s (the update loses "
+                     f"{rates.update_loss_h2d:.0%} of its rate beside a copy in, "
+                     f"{rates.update_loss_d2h:.0%} beside one out)"
+                     if rates.host_memory_gbps else "unmeasured")
         print(f"rates: H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, optimizer "
-              f"{rates.optimizer_gparams:.2f} G params/s, host memory {host_rate}, "
-              "layer forward+backward "
-              f"{(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms")
+              f"{rates.optimizer_gparams:.2f} G params/s, host memory {host_rate}, layer "
+              f"forward+backward {(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms")
         print(f"step bound at these settings: {b['step_s']:.3f} s "
               f"({cfg.data.tokens_per_step / b['step_s']:,.0f} tokens/s; the largest cost: "
               f"{b['limited_by'].replace('_', ' ')})")
@@ -193,8 +193,6 @@ def _plan_verdict(cfg, host: int | None, gpu: int | None) -> str | None:
 def _plan_rates(args, cfg):
     """(roofline rates at cfg's tokens per step, the measured run they come from or None):
     from a benchmark JSON, measured here, or (None, None)."""
-    from megatrain_jax.tools import roofline
-
     if args.rates:
         try:
             result = json.loads(Path(args.rates).read_text())

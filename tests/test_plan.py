@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 import time
 
 import pytest
@@ -192,6 +193,8 @@ def test_plan_measure_on_this_machine(capsys, small_samples):
     assert main(["plan", "tiny", "--measure"]) == 0
     out = capsys.readouterr().out
     assert "rates: H2D" in out and "compute-bound from about" in out
+    assert re.search(r"the update loses \d+% of its rate beside a copy in, \d+% beside one out",
+                     out)
     # Measured on two streamed layers whatever the run keeps on the GPU.
     assert main(["plan", "tiny", "model.layers=3", "stream.resident_layers=3", "--measure"]) == 0
     assert "step bound at these settings" in capsys.readouterr().out

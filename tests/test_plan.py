@@ -294,6 +294,11 @@ def test_transfers_beside_the_host_update_slow_it_while_they_run():
     serial = roofline.bound(cfg.model, dataclasses.replace(lossy, overlapped_update=False))
     assert serial["step_s"] == pytest.approx(roofline.bound(
         cfg.model, dataclasses.replace(rates, overlapped_update=False))["step_s"])
+    assert serial["update_forward_s"] == serial["update_backward_s"] == 0
+    # The update paces the forward here, so the compute-bound point moves out with it.
+    tokens = roofline.compute_bound_tokens(cfg.model, rates, 16384)
+    assert roofline.compute_bound_tokens(cfg.model, lossy, 16384) == pytest.approx(
+        tokens * (plain["optimizer_s"] + 0.3 * weights) / plain["optimizer_s"], rel=1e-3)
 
 
 def test_the_update_moves_the_bytes_of_its_moments():

@@ -80,8 +80,9 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     weights_in = (lambda: block(place.to_device(layers)), nbytes)
     weights_out = (lambda: block(place.to_host(on_device)), nbytes)  # as gradients go back
     shared = machine.memory_gbps(beside=weights_in)
-    # What each transfer leaves the kernel: the update's loss while it runs.
-    left = {way: machine.memory_gbps(beside=move, own=True) if alone else 0.0
+    # What each transfer leaves the kernel (0.0 without numba, as `alone`): the update's loss
+    # while it runs.
+    left = {way: machine.memory_gbps(beside=move, own=True)
             for way, move in (("h2d", weights_in), ("d2h", weights_out))}
     loss = {way: min(max(1 - gbps / alone, 0.0), 1.0) if alone else 0.0
             for way, gbps in left.items()}

@@ -116,12 +116,15 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     h2d, host_total = (1 + refetched) * weight_pass, host["forward"] + host["backward"]
     ideal = max(forward + head + backward, h2d, gradients, optimizer, host_total)
     backward_step = max(backward, refetched * weight_pass, gradients, host["backward"])
-    # The host update beside each phase's transfers, which slow it while they run.
-    update_forward = _beside_transfers((1 - share) * optimizer,
-                                       (rates.update_loss_h2d, weight_pass))
-    update_backward = _beside_transfers(share * optimizer,
-                                        (rates.update_loss_h2d, refetched * weight_pass),
-                                        (rates.update_loss_d2h, gradients))
+    # The host update beside each phase's transfers, which slow it while they run (none: the
+    # update on the device is serial).
+    update_forward = update_backward = 0.0
+    if rates.overlapped_update:
+        update_forward = _beside_transfers((1 - share) * optimizer,
+                                           (rates.update_loss_h2d, weight_pass))
+        update_backward = _beside_transfers(share * optimizer,
+                                            (rates.update_loss_h2d, refetched * weight_pass),
+                                            (rates.update_loss_d2h, gradients))
     if share:
         last_layer = model.params_per_layer / (rates.optimizer_gparams * 1e9)
         step = (max(forward, weight_pass, update_forward, host["forward"]) + head
@@ -129,7 +132,6 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     elif rates.overlapped_update:
         step = max(forward, weight_pass, update_forward, host["forward"]) + head + backward_step
     else:
-        update_forward = update_backward = 0.0
         step = max(forward, weight_pass) + head + backward_step + optimizer
     return {
         "compute_forward_s": forward, "compute_head_s": head, "compute_backward_s": backward,
@@ -277,9 +279,9 @@ def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int,
               resident_embeddings=resident_embeddings, kept_layers=kept_layers)
     forward_per_token = b["compute_forward_s"] / tokens
     backward_per_token = b["compute_backward_s"] / tokens
-    paced = max(b["h2d_per_pass_s"], b["host_memory_forward_s"])
-    if rates.overlapped_update:
-        paced = max(paced, b["optimizer_s"])
+    # The host update that paces the forward, slowed by the weight stream beside it (0 for an
+    # update on the device, which does not overlap the forward).
+    paced = max(b["h2d_per_pass_s"], b["host_memory_forward_s"], b["update_forward_s"])
     if forward_per_token <= 0 or backward_per_token <= 0:
         return 0
     backward_paced = max(b["h2d_backward_s"], b["d2h_s"], b["host_memory_backward_s"])

@@ -106,8 +106,8 @@ def test_auto_places_them_where_the_gpu_room_holds_them(monkeypatch):
     cfg = memory.replaced(tiny("model.layers=4"), "stream", keep_weights="off")
     assert cfg.stream.resident_embeddings == "auto"  # the default
     need = memory.resident_embedding_bytes(cfg)
-    assert need == 16 * memory.embedding_params(cfg)  # weights, two moments, gradients
-    assert memory.embedding_params(cfg) == 2 * cfg.model.vocab_size * cfg.model.hidden + \
+    assert need == 16 * cfg.model.embedding_params  # weights, two moments, gradients
+    assert cfg.model.embedding_params == 2 * cfg.model.vocab_size * cfg.model.hidden + \
         cfg.model.hidden
     off = memory.replaced(cfg, "stream", resident_embeddings="off")
     base, _ = memory.step_bytes(off, 1, None)

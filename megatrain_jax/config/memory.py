@@ -66,15 +66,10 @@ def step_bytes(cfg: Config, devices: int, gpu: int | None) -> tuple[dict, int]:
     return device, on_host * devices  # every GPU's share, in the one host
 
 
-def embedding_params(cfg: Config) -> int:
-    """Parameters outside the layers: the embedding and the head with the final norm."""
-    return cfg.model.embedding_params
-
-
 def resident_embedding_bytes(cfg: Config, devices: int = 1) -> int:
     """GPU bytes of the embedding and the head living there (`stream.resident_embeddings`):
     weights, optimizer state and the step's gradients, each GPU its 1/n."""
-    return int(resident_bytes_per_param(cfg) * embedding_params(cfg)) // devices
+    return int(resident_bytes_per_param(cfg) * cfg.model.embedding_params) // devices
 
 
 def resident_bytes_per_param(cfg: Config) -> float:

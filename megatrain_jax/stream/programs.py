@@ -84,7 +84,7 @@ SAVED_BY_SAVING_LAYERS = jax.checkpoint_policies.dots_with_no_batch_dims_saveabl
 # value by the compiler's contract, not by its fusion choices of the day, and travels in bf16
 # exactly (stream.grad_dtype=auto). Measured at 7b width on an H100 (jax 0.11.2), the
 # gradients are bf16 values either way, and the layer's forward and backward take the same
-# time within 4% (benchmarks/excess_precision.py, benchmarks/RESULTS.md).
+# time within 4% (benchmarks/investigations/excess_precision.py).
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 

@@ -1,6 +1,6 @@
 """Where a streamed run's host memory goes beyond its pinned pool, stage by stage.
 
-    python benchmarks/host_heap.py 1b --steps 3 [key=value ...] --out heap.json
+    python benchmarks/investigations/host_heap.py 1b --steps 3 [key=value ...] --out heap.json
 
 At each stage of a run's start (the interpreter with numpy; jax imported; the backend up;
 the trainer built; the state at home; the first step, compiled; the later steps; after
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatrain_jax.stream.updates import release_free_heap  # noqa: E402  (no JAX in it)
 from megatrain_jax.tools.machine import host_rss_bytes, host_rss_parts_bytes  # noqa: E402

@@ -1,6 +1,6 @@
 """The pieces of a hybrid update: some layers updated on the host, others on the device.
 
-    python benchmarks/bench_hybrid_update.py [--shape 7b] [--host-layers 8] [--device-layers 4]
+    python benchmarks/investigations/bench_hybrid_update.py [--shape 7b] [--host-layers 8] [--device-layers 4]
 
 After the backward, the host AdamW updates its layers in place on the pinned buffers while
 the GPU updates others from gradients it kept: their parameters and Adam moments travel in,
@@ -25,8 +25,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import emit  # noqa: E402
 

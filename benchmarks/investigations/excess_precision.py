@@ -9,7 +9,7 @@ config's width and shape, on this device, and reports for each: the share of wei
 elements that are bf16 values, the seconds of the layer's forward and backward (median of
 repeats), and the largest relative difference between the two settings' gradients.
 
-    python benchmarks/excess_precision.py 7b --out excess.json [key=value ...]
+    python benchmarks/investigations/excess_precision.py 7b --out excess.json [key=value ...]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def median_seconds(fn, make_args, repeats: int = 7) -> float:

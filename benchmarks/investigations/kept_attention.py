@@ -2,7 +2,7 @@
 again: the same gradients? how much faster? One layer of a config's width, batch 1, its
 compute dtype, random weights and input, on this device's attention path.
 
-    python benchmarks/kept_attention.py 7b --lengths 8192,32768,131072 --out kept.json
+    python benchmarks/investigations/kept_attention.py 7b --lengths 8192,32768,131072 --out kept.json
 
 For each length: the path, whether this jax can keep it, the largest relative difference of
 the layer's gradients (weights and input) between the two and between two calls of the
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def timed(fn, *args) -> tuple[float, object]:

@@ -1,7 +1,7 @@
 """How long a sequence each attention path takes on this GPU, and how fast: one layer's causal
 attention (forward, and forward with backward) at a config's heads, batch 1, bf16.
 
-    python benchmarks/attention_limits.py 7b --lengths 131072,262144,524288 \
+    python benchmarks/investigations/attention_limits.py 7b --lengths 131072,262144,524288 \
         --blockwise 32768 --out attention.json
 
 For each length and path: whether it ran (or the error's first line), the seconds of the
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def timed(fn, *args) -> float:

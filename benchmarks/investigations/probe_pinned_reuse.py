@@ -1,7 +1,7 @@
 """Host memory kept per transfer of pinned_host buffers, by pattern (the engine's renewal of
 its host weights rests on the first line).
 
-    python benchmarks/probe_pinned_reuse.py
+    python benchmarks/investigations/probe_pinned_reuse.py
 
 64 arrays of 1 MiB in pinned host memory, 1,500 iterations of each pattern; the RSS growth
 from iteration 100 on, in bytes per array per iteration:
@@ -18,7 +18,7 @@ from iteration 100 on, in bytes per array per iteration:
     h2d_compute    the same host buffers copied and read by a program; only its output is waited on
     engine_like    two tree copies read by a program, then each shard's pointer (the engine's step)
 
-    python benchmarks/probe_pinned_reuse.py h2d_persist h2d_then_shard   # some patterns only
+    python benchmarks/investigations/probe_pinned_reuse.py h2d_persist h2d_then_shard   # some patterns only
 """
 
 import sys
@@ -28,7 +28,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatrain_jax.tools.machine import host_rss_now_bytes  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The host AdamW kernel's rate per form of the moments (optim.state_dtype), on one matrix.
 
-    python benchmarks/bench_moment_kernels.py [--rows 4096] [--columns 8192] \
+    python benchmarks/investigations/bench_moment_kernels.py [--rows 4096] [--columns 8192] \
         [--state-dtypes float32,bfloat16,int8] [--repeats 7] [--out FILE]
 
 Each form updates the same pinned matrix in place through `HostAdamW.update`, the engine's
@@ -17,8 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import emit  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Host memory over many steps: does the process grow, and with what?
 
-    python benchmarks/bench_soak.py 1b --steps 1500 --every 100 [--tracemalloc] \
+    python benchmarks/investigations/bench_soak.py 1b --steps 1500 --every 100 [--tracemalloc] \
         [--renew-every N] [key=value ...]
 
 Trains `--steps` steps of the config in this process, each synced on its loss, and records
@@ -24,8 +24,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import emit  # noqa: E402
 

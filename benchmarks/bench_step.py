@@ -1,4 +1,4 @@
-"""Times training steps of a config and prints one JSON object (BENCHMARKS.md's fields).
+"""Times training steps of a config and prints one JSON object (benchmarks/README.md).
 
     python benchmarks/bench_step.py 7b --steps 6 --warmup 2 [--repeat-batch] [key=value ...]
     python benchmarks/bench_step.py 7b --sweep 4,8,16,32,64     # batch sizes, one model

@@ -1,6 +1,7 @@
 """The pieces of a hybrid update: some layers updated on the host, others on the device.
 
-    python benchmarks/investigations/bench_hybrid_update.py [--shape 7b] [--host-layers 8] [--device-layers 4]
+    python benchmarks/investigations/bench_hybrid_update.py [--shape 7b] [--host-layers 8] \\
+        [--device-layers 4]
 
 After the backward, the host AdamW updates its layers in place on the pinned buffers while
 the GPU updates others from gradients it kept: their parameters and Adam moments travel in,

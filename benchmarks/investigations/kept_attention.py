@@ -2,7 +2,8 @@
 again: the same gradients? how much faster? One layer of a config's width, batch 1, its
 compute dtype, random weights and input, on this device's attention path.
 
-    python benchmarks/investigations/kept_attention.py 7b --lengths 8192,32768,131072 --out kept.json
+    python benchmarks/investigations/kept_attention.py 7b --lengths 8192,32768,131072 \\
+        --out kept.json
 
 For each length: the path, whether this jax can keep it, the largest relative difference of
 the layer's gradients (weights and input) between the two and between two calls of the

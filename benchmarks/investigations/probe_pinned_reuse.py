@@ -18,7 +18,7 @@ from iteration 100 on, in bytes per array per iteration:
     h2d_compute    the same host buffers copied and read by a program; only its output is waited on
     engine_like    two tree copies read by a program, then each shard's pointer (the engine's step)
 
-    python benchmarks/investigations/probe_pinned_reuse.py h2d_persist h2d_then_shard   # some patterns only
+    python benchmarks/investigations/probe_pinned_reuse.py h2d_persist h2d_then_shard  # some
 """
 
 import sys

@@ -34,7 +34,7 @@ from megatrain_jax.tools import plan as planner
 EPILOG = """\
 CONFIG is a shipped config name (see `megatrain-jax configs`) or a .json/.gin file.
 Overrides are section.key=value, e.g. model.layers=4 optim.lr=1e-4 loop.trainer=reference.
-Sections: model, optim, schedule, data, stream, mesh, loop (see README.md for every key).
+Sections: model, optim, schedule, data, stream, mesh, loop (docs/config.md lists every key).
 """
 
 

@@ -239,7 +239,7 @@ def cmd_export(args) -> int:
 def cmd_prepare(args) -> int:
     from megatrain_jax.io.prepare import prepare
 
-    meta = prepare(args.inputs, args.out, args.tokenizer, args.progress)
+    meta = prepare(args.inputs, args.out, args.tokenizer, args.progress, args.errors)
     print(f"wrote {args.out}: {meta['kind']} data, {meta['documents']:,} documents, "
           f"{meta['tokens']:,} tokens ({meta['trained_tokens']:,} trained on), vocabulary "
           f"{meta['vocab_size']:,}; train with data.source={args.out}")
@@ -320,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="bytes",
                    help="'bytes' (ids 0..255), a tokenizer.json, or a folder holding one "
                    "(a Hugging Face model folder)")
+    p.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                   help="bytes that are not UTF-8: 'strict' refuses the file naming the byte, "
+                   "'replace' reads them as U+FFFD")
     p.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto")
     p.set_defaults(fn=cmd_prepare)
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder",

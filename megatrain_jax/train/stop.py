@@ -69,8 +69,8 @@ class StopSignals:
         self.signal = signum
         then = " and its checkpoint" if self.saves else ""
         fresh_line = "\n" if getattr(self.stream, "isatty", lambda: False)() else ""  # a bar
-        self.stream.write(f"{fresh_line}megatrain-jax: {self.name}: stopping after the step in flight"
-                          f"{then}; send it again to stop at once\n")
+        self.stream.write(f"{fresh_line}megatrain-jax: {self.name}: stopping after the step in "
+                          f"flight{then}; send it again to stop at once\n")
         self.stream.flush()
 
 

@@ -328,7 +328,8 @@ def _interrupted(cfg: Config, stop, at: int, tally: _Tally,
         ended = tally.history[-1]["step"] if tally.history else at
         if ended > at:  # the save under way was of an earlier step: the run ends there
             rewind(Path(cfg.loop.run_dir), at)
-            head += f" (steps {at + 1} to {ended} will be trained again)"
+            again = f"step {ended}" if ended == at + 1 else f"steps {at + 1} to {ended}"
+            head += f" ({again} will be trained again)"
         tail = f"checkpoint {at} is complete in {folder}; run the same command to resume"
     else:
         why = "loop.stop_save=false" if cfg.loop.checkpoint_every else "loop.checkpoint_every=0"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from megatrain_jax.config import Config, ConfigError
@@ -138,4 +139,7 @@ def tensorboard(cfg: Config, run_dir: Path, start: int):
             raise ImportError("loop.tensorboard=on needs tensorboardX: "
                               "pip install 'megatrain-jax[tensorboard]'") from None
         return None
-    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1 if start else None)
+    # Files are named by the second they start in: an attempt of its own suffix, which sorts
+    # as the attempts came, keeps a quick restart from writing over the one before.
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1 if start else None,
+                         filename_suffix=f".{time.time_ns()}")

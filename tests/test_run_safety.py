@@ -227,6 +227,23 @@ def test_a_signal_mid_save_ends_at_a_complete_checkpoint_and_the_rerun_continues
     assert _checksums(run, 8) == _checksums(lone, 8)
 
 
+def test_stop_save_false_stops_without_a_checkpoint_of_the_step(tmp_path, monkeypatch, capsys):
+    run, batch_at = tmp_path / "run", train_loop.TokenSource.batch_at
+
+    def signalling(self, step):
+        if step == 5:  # as step 6 begins; checkpoint 4 is written
+            os.kill(os.getpid(), signal.SIGTERM)
+        return batch_at(self, step)
+
+    monkeypatch.setattr(train_loop.TokenSource, "batch_at", signalling)
+    assert main(["train", "tiny", *_args(run, "loop.stop_save=false")]) == 143
+    assert _last_line(capsys) == (
+        "megatrain-jax: stopped by SIGTERM at step 6 of 8: no checkpoint of it "
+        "(loop.stop_save=false); run the same command to resume from checkpoint 4 in "
+        f"{run / 'checkpoints'}.")
+    assert complete_steps(run / "checkpoints") == [4] and max(_losses(run)) == 6
+
+
 SAVE_HANGS = """
 import sys, threading
 from megatrain_jax import cli

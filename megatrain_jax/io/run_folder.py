@@ -62,9 +62,11 @@ class RunLock:
                 f"loop.run_dir {self.run_dir} is in use by another train "
                 f"({holder or 'a process that is just starting'}); wait for it to end, or "
                 "choose another loop.run_dir.") from None
-        except OSError:
+        except OSError as e:  # a file system without flock (ENOLCK, EOPNOTSUPP)
             os.close(fd)
-            raise
+            raise ConfigError(f"loop.run_dir {self.run_dir}: cannot lock {self.path} "
+                              f"({e.strerror or e}); its file system does not support flock: "
+                              "choose a loop.run_dir on one that does.") from None
         self._fd = fd
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         record = f"pid {os.getpid()} on host {socket.gethostname()}, since {started}\n"

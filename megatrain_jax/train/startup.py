@@ -128,8 +128,8 @@ def rewind(run_dir: Path, step: int) -> None:
 
 def tensorboard(cfg: Config, run_dir: Path, start: int):
     """A tensorboardX writer when wanted and installed (the `tensorboard` extra), else None.
-    Resuming at `start`, it marks the steps after it as purged: TensorBoard hides the events
-    an earlier attempt wrote past its checkpoint."""
+    It marks the steps after `start` as purged: TensorBoard hides the events an earlier
+    attempt wrote past the checkpoint this one resumes from (or all of them, from step 1)."""
     if cfg.loop.tensorboard == "off":
         return None
     try:
@@ -141,5 +141,5 @@ def tensorboard(cfg: Config, run_dir: Path, start: int):
         return None
     # Files are named by the second they start in: an attempt of its own suffix, which sorts
     # as the attempts came, keeps a quick restart from writing over the one before.
-    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1 if start else None,
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1,
                          filename_suffix=f".{time.time_ns()}")

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import typing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,7 +71,10 @@ def _subprocess_env():
     the test session's compilation cache (conftest.py)."""
     import jax
 
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd(),
+    import megatrain_jax
+
+    checkout = str(Path(megatrain_jax.__file__).parents[1])
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=checkout,
                 JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -91,7 +95,9 @@ def test_a_second_train_on_a_held_folder_exits_2_naming_the_holder_and_the_first
         return batch_at(self, step)
 
     monkeypatch.setattr(train_loop.TokenSource, "batch_at", pausing)
-    first = threading.Thread(target=train, args=(tiny(*_args(run, "loop.log_every=1")),))
+    ended = []
+    first = threading.Thread(target=lambda: ended.append(
+        train(tiny(*_args(run, "loop.log_every=1")))["last_loss"]))
     first.start()
     try:
         assert paused.wait(timeout=300)
@@ -103,6 +109,7 @@ def test_a_second_train_on_a_held_folder_exits_2_naming_the_holder_and_the_first
         go.set()
         first.join()
     assert second.returncode == 2, second.stderr
+    assert ended == [_losses(lone)[8]]  # the first run went on to its end
     line = second.stderr.strip().splitlines()[-1]
     assert line.startswith("megatrain-jax: config error: loop.run_dir ")
     assert f"is in use by another train (pid {os.getpid()} on host " in line

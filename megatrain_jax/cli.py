@@ -22,7 +22,6 @@ from pathlib import Path
 from megatrain_jax.config import (
     ConfigError,
     load_config,
-    load_run_config,
     memory,
     shipped_configs,
 )
@@ -69,7 +68,7 @@ def cmd_train(args) -> int:
         cfg = distributed.process_config(cfg)
     import jax
 
-    from megatrain_jax.train import TrainingStopped, train  # starts JAX
+    from megatrain_jax.train import RunInterrupted, StopSignals, TrainingStopped, train
 
     def started(step: int) -> None:
         m = cfg.model
@@ -78,12 +77,21 @@ def cmd_train(args) -> int:
               f"device={jax.local_devices()[0].device_kind}, run_dir={cfg.loop.run_dir}"
               + (f", resuming at step {step}" if step else ""), file=sys.stderr)
 
+    saves = cfg.loop.stop_save and cfg.loop.checkpoint_every > 0
     try:
-        summary = train(cfg, on_start=started)
+        with StopSignals(saves) as stop:
+            summary = train(cfg, on_start=started, stop=stop)
     except TrainingStopped as e:
         print(f"megatrain-jax: {e}", file=sys.stderr)
         return 4
-    summary.pop("state")
+    except RunInterrupted as e:
+        print(f"megatrain-jax: {e}", file=sys.stderr)
+        return e.status
+    if summary.pop("finished_before", False):
+        print(f"megatrain-jax: {cfg.loop.run_dir} is finished: its checkpoint {summary['steps']} "
+              f"is its last step (loop.steps={cfg.loop.steps}); nothing to do. Raise loop.steps "
+              "to train on.", file=sys.stderr)
+    summary.pop("state", None)
     print(json.dumps(summary))
     return 0
 
@@ -217,10 +225,13 @@ def _plan_rates(args, cfg):
 
 
 def cmd_export(args) -> int:
-    planner.set_pool_env(load_run_config(args.run_dir))  # the state is restored to the host
+    from megatrain_jax.io.run_folder import run_config
+
+    planner.set_pool_env(run_config(args.run_dir, args.step)[0])  # restored to the host
     from megatrain_jax.train import export_run  # starts JAX
 
-    out = export_run(args.run_dir, args.out_dir, args.step, args.dtype, args.progress)
+    out = export_run(args.run_dir, args.out_dir, args.step, args.dtype, args.progress,
+                     note=lambda text: print(f"megatrain-jax: {text}", file=sys.stderr))
     print(f"wrote {out} (load it with transformers' AutoModelForCausalLM.from_pretrained)")
     return 0
 
@@ -228,7 +239,7 @@ def cmd_export(args) -> int:
 def cmd_prepare(args) -> int:
     from megatrain_jax.io.prepare import prepare
 
-    meta = prepare(args.inputs, args.out, args.tokenizer, args.progress)
+    meta = prepare(args.inputs, args.out, args.tokenizer, args.progress, args.errors)
     print(f"wrote {args.out}: {meta['kind']} data, {meta['documents']:,} documents, "
           f"{meta['tokens']:,} tokens ({meta['trained_tokens']:,} trained on), vocabulary "
           f"{meta['vocab_size']:,}; train with data.source={args.out}")
@@ -309,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="bytes",
                    help="'bytes' (ids 0..255), a tokenizer.json, or a folder holding one "
                    "(a Hugging Face model folder)")
+    p.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                   help="bytes that are not UTF-8: 'strict' refuses the file naming the byte, "
+                   "'replace' reads them as U+FFFD")
     p.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto")
     p.set_defaults(fn=cmd_prepare)
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder",

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatrain_jax.config.auto import MAX_POSITION, grad_dtype
+from megatrain_jax.config.auto import grad_dtype
+from megatrain_jax.config.ranges import check_ranges
 
 
 class ConfigError(ValueError):
@@ -211,6 +212,9 @@ class LoopConfig:
     eval_every: int = 0  # steps between evaluations on the validation split; 0: none
     eval_batches: int = 4  # batches per evaluation (the same ones every time)
     export_dir: str = ""  # a new folder: the final weights as a Hugging Face model; "": none
+    # On SIGTERM or SIGINT the run stops after the step in flight; with stop_save it writes a
+    # checkpoint of that step first (where the run writes checkpoints: loop.checkpoint_every).
+    stop_save: bool = True
 
 
 @dataclass(frozen=True)
@@ -280,48 +284,34 @@ def layers_fetched_twice(cfg: Config) -> int:
 
 
 def validate(cfg: Config) -> Config:
-    """Checks relations between values that types alone cannot."""
+    """Checks every setting's range (ranges.py), then the relations between values that types
+    alone cannot express."""
+    check_ranges(cfg)
     m, d, s = cfg.model, cfg.data, cfg.stream
     fetched_twice = layers_fetched_twice(cfg)
     checks = [
-        (m.hidden > 0 and m.layers > 0 and m.heads > 0 and m.ffn > 0, "model sizes must be > 0"),
-        (m.kv_heads > 0 and m.heads % m.kv_heads == 0,
+        (m.heads % m.kv_heads == 0,
          f"model.heads ({m.heads}) must be a multiple of model.kv_heads ({m.kv_heads})"),
         (m.head_dim > 0 or m.hidden % m.heads == 0,
          f"model.hidden ({m.hidden}) is not divisible by model.heads ({m.heads}); "
          "set model.head_dim"),
         (m.dh % 2 == 0, f"head dim {m.dh} must be even for rotary embeddings"),
-        (m.vocab_size > 0, "model.vocab_size must be > 0"),
-        (d.batch_size > 0 and d.seq_len > 0, "data.batch_size and data.seq_len must be > 0"),
-        (0 < m.max_seq_len <= MAX_POSITION,
-         f"model.max_seq_len ({m.max_seq_len}) must be within [1, {MAX_POSITION}] (rotary "
-         "angles are exact below 2**24 positions)"),
         (d.seq_len <= m.max_seq_len,
          f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"),
-        (d.micro_batches > 0 and d.batch_size % d.micro_batches == 0,
+        (d.batch_size % d.micro_batches == 0,
          f"data.batch_size ({d.batch_size}) must be divisible by data.micro_batches "
          f"({d.micro_batches})"),
-        (0 <= d.val_fraction < 1, "data.val_fraction must be within [0, 1)"),
         (cfg.loop.eval_every == 0 or d.val_fraction > 0,
          "loop.eval_every needs a validation split: set data.val_fraction (e.g. 0.05)"),
-        (cfg.loop.eval_every >= 0 and cfg.loop.eval_batches >= 1,
-         "loop.eval_every must be >= 0 and loop.eval_batches >= 1"),
-        (s.prefetch_depth >= 1, "stream.prefetch_depth must be >= 1"),
-        (0 < s.speculate_share <= 1,
-         f"stream.speculate_share ({s.speculate_share}) must be within (0, 1]; "
-         "stream.speculate=off guesses nothing"),
-        (0 <= s.resident_layers <= m.layers,
+        (s.resident_layers <= m.layers,
          f"stream.resident_layers ({s.resident_layers}) must be within [0, model.layers = "
          f"{m.layers}]"),
         (not s.keep_weights.isdigit() or int(s.keep_weights) <= fetched_twice,
          f"stream.keep_weights ({s.keep_weights}) exceeds the {fetched_twice} layers "
          "fetched for their backward (model.layers less stream.keep_layers and "
          "stream.resident_layers); `on` keeps every one of them"),
-        (0 <= s.keep_layers <= m.layers,
+        (s.keep_layers <= m.layers,
          f"stream.keep_layers ({s.keep_layers}) must be within [0, model.layers = {m.layers}]"),
-        (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),
-        (s.mlp_tile >= 0 and s.attention_chunk >= 0,
-         "stream.mlp_tile and stream.attention_chunk must be >= 0 (0: automatic)"),
         (s.update != "host" or cfg.optim.name in HOST_OPTIMIZERS,
          f"stream.update=host has kernels for optim.name {' and '.join(HOST_OPTIMIZERS)}, not "
          f"'{cfg.optim.name}'; use stream.update=device (any Optax transformation) or auto"),
@@ -332,14 +322,12 @@ def validate(cfg: Config) -> Config:
          f"stream.speculate=on undoes wrong guesses exactly, which {cfg.optim.state_dtype} "
          "moments (rounded when stored) do not allow: use stream.speculate=off or auto, or "
          "optim.state_dtype=float32"),
-        (cfg.mesh.data >= 0, "mesh.data must be >= 0 (0: every device)"),
-        (cfg.loop.steps > 0, "loop.steps must be > 0"),
-        (cfg.loop.checkpoint_every >= 0, "loop.checkpoint_every must be >= 0 (0: none)"),
-        (cfg.loop.keep_checkpoints >= 1, "loop.keep_checkpoints must be >= 1"),
-        (cfg.loop.max_skipped_steps >= 1, "loop.max_skipped_steps must be >= 1"),
-        (cfg.optim.lr > 0, "optim.lr must be > 0"),
-        (cfg.optim.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 turns clipping off)"),
-        (0 <= cfg.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio must be within [0, 1]"),
+        (cfg.loop.run_dir.strip() != "", "loop.run_dir must name a folder"),
+        (m.rope_scaling.kind != "llama3" or
+         m.rope_scaling.high_freq_factor > m.rope_scaling.low_freq_factor,
+         f"model.rope_scaling.high_freq_factor ({m.rope_scaling.high_freq_factor}) must be "
+         f"above model.rope_scaling.low_freq_factor ({m.rope_scaling.low_freq_factor}) for "
+         "llama3 scaling"),
     ]
     for ok, message in checks:
         if not ok:

@@ -265,9 +265,12 @@ def predicted(cfg) -> dict:
     placement = plan_of(cfg)
     clipping = bound_of(cfg, placement, rates, n)["step_s"]
     guessing = bound_for(cfg, rates, n)["step_s"]
-    tokens = cfg.data.tokens_per_step
+    tokens, achieved = cfg.data.tokens_per_step, plan.machine().achieved
     return {"clipping_s": clipping, "guessing_s": guessing,
-            "tokens_per_s_clipping": tokens / clipping, "tokens_per_s_guessing": tokens / guessing}
+            "tokens_per_s_clipping": tokens / clipping, "tokens_per_s_guessing": tokens / guessing,
+            # What `plan` expects: the bound's tokens/s at the share the machine achieves.
+            "expected_tokens_per_s_clipping": achieved * tokens / clipping,
+            "expected_tokens_per_s_guessing": achieved * tokens / guessing}
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ class Machine:
     layer_tflops: float  # a layer's forward FLOPs over its time
     backward_ratio: float  # a layer's backward with its recompute over its forward
     head_tflops: float  # the head's and the loss's forward and backward, and the embedding's
+    # The share of its bound's tokens/s a step achieves on this machine (measured: the median
+    # over the placements of benchmarks/RESULTS.md, "Placement"): what `plan` expects.
+    achieved: float = 0.94
 
     def rates(self, cfg: Config, devices: int = 1) -> Rates:
         """The roofline's rates for a step of `cfg` on `devices` of this machine's GPUs (the

@@ -76,15 +76,19 @@ def placement_summary(cfg: Config) -> str:
                                           "streamed"))
     budget = planner.gpu_budget(cfg, usable_gpu_bytes(gpu_memory_bytes()))
     room = "unknown GPU memory" if budget is None else f"a {budget / GiB:.1f} GiB GPU budget"
-    machine = presets.preset_for(gpu_name())
-    return (", ".join(parts) + f" ({room}; rates: preset {machine.name}; "
+    return (", ".join(parts) + f" ({room}; rates: preset {machine().name}; "
             "`megatrain-jax plan` explains)")
+
+
+def machine() -> presets.Machine:
+    """The preset of this machine's GPU (nvidia-smi's name; the H200's where unknown)."""
+    return presets.preset_for(gpu_name())
 
 
 def machine_rates(cfg: Config, devices: int | None = None) -> Rates:
     """The rates the planner assumes for cfg on this machine's GPUs: their preset."""
     n = planned_devices(cfg) if devices is None else devices
-    return presets.preset_for(gpu_name()).rates(cfg, n)
+    return machine().rates(cfg, n)
 
 
 def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,

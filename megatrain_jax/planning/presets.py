@@ -31,17 +31,22 @@ class Machine:
     update_loss_h2d: float
     update_loss_d2h: float
     device_memory_gbps: float
-    layer_tflops: float  # a layer's forward FLOPs over its time
+    layer_tflops: float  # the rate of a layer's matmuls in its forward, FLOP/s / 1e12
     backward_ratio: float  # a layer's backward with its recompute over its forward
     head_tflops: float  # the head's and the loss's forward and backward, and the embedding's
     # The share of its bound's tokens/s a step achieves on this machine (measured: the median
     # over the placements of benchmarks/RESULTS.md, "Placement"): what `plan` expects.
-    achieved: float = 0.94
+    achieved: float = 0.93
+    # The rate of the causal attention's forward (cuDNN's), FLOP/s / 1e12: it paces a layer at
+    # long rows (7b at 1 x 131072 on the H200: 40.6 s a step).
+    attention_tflops: float = 450.0
 
     def rates(self, cfg: Config, devices: int = 1) -> Rates:
         """The roofline's rates for a step of `cfg` on `devices` of this machine's GPUs (the
         step's rows split over them, each with its own link; one host)."""
-        forward = layer_flops(cfg) / (self.layer_tflops * 1e12 * devices)
+        matmuls = layer_flops(cfg) - attention_flops(cfg)
+        forward = (matmuls / self.layer_tflops + attention_flops(cfg) / self.attention_tflops) \
+            / (1e12 * devices)
         return Rates(
             h2d_gbps=self.h2d_gbps * devices, d2h_gbps=self.d2h_gbps * devices,
             layer_forward_s=forward, layer_backward_s=forward * self.backward_ratio,
@@ -76,19 +81,21 @@ def head_flops(cfg: Config) -> float:
 # forward 10.48 ms and backward 28.9 ms a layer, head and embedding backward 54.0 ms; the link
 # 53.3 GB/s each way; host memory about 140 GB/s (117-166 between hosts), the update losing
 # 0.19 of its rate beside a copy in and 0.24 beside one out; the host AdamW 5.0 G params/s.
-_7B = dict(layer_tflops=646.0, backward_ratio=2.76, head_tflops=238.0)
+_7B = dict(layer_tflops=651.0, backward_ratio=2.76, head_tflops=238.0)
 PRESETS = {
     "H200": Machine("H200", "measured", 53.3, 53.3, 140.0, 5.0, 0.19, 0.24, 4800.0, **_7B),
     # H100 SXM on a PCIe Gen5 host: the same dense bf16 peak as the H200, slower HBM.
     "H100": Machine("H100", "measured", 53.3, 53.3, 140.0, 5.0, 0.19, 0.24, 3350.0,
-                    layer_tflops=610.0, backward_ratio=2.76, head_tflops=225.0),
+                    layer_tflops=615.0, backward_ratio=2.76, head_tflops=225.0,
+                    attention_tflops=425.0),
     # H100 PCIe: 756 of the SXM's 989 dense bf16 TFLOP/s, 2.0 TB/s HBM.
     "H100 PCIe": Machine("H100 PCIe", "published", 53.3, 53.3, 140.0, 5.0, 0.19, 0.24, 2000.0,
-                         layer_tflops=466.0, backward_ratio=2.76, head_tflops=172.0),
+                         layer_tflops=470.0, backward_ratio=2.76, head_tflops=172.0,
+                         attention_tflops=325.0),
     # GH200: NVLink-C2C measured at about 375 GB/s to the GPU and 297 back; LPDDR5X about
     # 480 GB/s shared by the update and both copy streams; 72 Grace cores.
     "GH200": Machine("GH200", "published", 375.0, 297.0, 480.0, 15.0, 0.3, 0.3, 4000.0,
-                     layer_tflops=646.0, backward_ratio=2.76, head_tflops=238.0),
+                     **_7B),
 }
 DEFAULT = "H200"
 

@@ -176,8 +176,9 @@ class StreamConfig:
     # The K streamed layers before those keep the weights their forward fetched for their
     # backward (1/N a GPU of a mesh): on (every streamed layer), off, or a number.
     keep_weights: str = "auto"
-    # Where each layer's input waits for the backward: device, pinned_host, or auto (on the
-    # GPU as far as the placement leaves room, the first layers' on pinned host beyond).
+    # Where each layer's input waits for the backward: device, pinned_host, a number (the
+    # first K layers' on pinned host), or auto (on the GPU as far as the placement leaves
+    # room, the first layers' on pinned host beyond).
     saved_inputs: str = "auto"
 
 
@@ -252,7 +253,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # Choices that also take a number of layers instead (given as a whole number, kept as its
 # digits).
 COUNTS = ("stream.keep_weights", "stream.keep_attention", "stream.resident_layers",
-          "stream.keep_layers")
+          "stream.keep_layers", "stream.saved_inputs")
 
 
 def pinned(value: str) -> int | None:

@@ -19,7 +19,7 @@ import itertools
 import os
 
 WAIT_S = float(os.environ.get("MEGATRAIN_JAX_PEER_WAIT_S", 3600))
-_saving = itertools.count()  # checkpointers that saved in this process: the same in each
+_made = itertools.count()  # Peers made in this process: the same sequence in every process
 
 
 class PeerFailed(RuntimeError):
@@ -33,7 +33,7 @@ class PeerFailed(RuntimeError):
 class Peers:
     def __init__(self, client, process: int, count: int):
         self.client, self.process, self.count = client, process, count
-        self.prefix = f"megatrain/checkpoint/{next(_saving)}"
+        self.prefix = f"megatrain/{next(_made)}"
 
     @classmethod
     def of_this_run(cls) -> Peers | None:

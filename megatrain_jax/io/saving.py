@@ -63,7 +63,7 @@ def sources(tree, whole: bool) -> list[dict]:
                 if shard.replica_id == 0:
                     region = shards.region_of(shard.index, array.shape)
                     starts = ".".join(str(start) for start, _ in region)
-                    held.append((region, f"{name}@{starts}.bin",
+                    held.append((region, f"{name}@{starts}.bin" if region else f"{name}.bin",
                                  [array_files.host_bytes(shard.data)], dtype))
         found.append({"key": jax.tree_util.keystr(path), "name": name,
                       "shape": list(array.shape), "dtype": dtype.name, "shards": held})

@@ -4,12 +4,8 @@
     summary = train(load_config("demo"))      # writes RUN_DIR/config.json, metrics.jsonl
 """
 
-from megatrain_jax.train.loop import (
-    TrainingStopped,
-    evaluate,
-    export_run,
-    train,
-)
+from megatrain_jax.train.export import export_run
+from megatrain_jax.train.loop import TrainingStopped, evaluate, train
 from megatrain_jax.train.reference import ReferenceTrainer, TrainState
 from megatrain_jax.train.trainers import (
     StreamTrainer,

@@ -28,10 +28,8 @@ from megatrain_jax.config import (
     Config,
     ConfigError,
     host_update,
-    load_run_config,
     save_config,
 )
-from megatrain_jax.io import hf
 from megatrain_jax.io.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -43,6 +41,7 @@ from megatrain_jax.io.data import TokenSource
 from megatrain_jax.stream import Timeline
 from megatrain_jax.tools.machine import memory_record, peak_flops
 from megatrain_jax.tools.progress import Progress
+from megatrain_jax.train.export import export_final
 from megatrain_jax.train.resume import check_continues, restore, run_record
 from megatrain_jax.train.trainers import initial_state, make_trainer
 
@@ -62,10 +61,21 @@ def _check_writable(run_dir: Path) -> None:
                           "can write into; choose another loop.run_dir.")
 
 
+def checkpoint_folder(cfg: Config) -> Path:
+    """RUN_DIR/checkpoints, the one folder of every process of a run: the others of a run of
+    several log into RUN_DIR/process-I (tools/distributed.py) and write their shards here."""
+    import jax
+
+    run_dir, process = Path(cfg.loop.run_dir), jax.process_index()
+    if process and run_dir.name == f"process-{process}":
+        run_dir = run_dir.parent
+    return run_dir / "checkpoints"
+
+
 def _checkpointer(cfg: Config, trainer) -> Checkpointer | None:
     """The run's checkpoints, to write or to resume from, checked before anything starts;
     None when there are neither."""
-    directory = Path(cfg.loop.run_dir) / "checkpoints"
+    directory = checkpoint_folder(cfg)
     if foreign_steps(directory):
         raise CheckpointError(
             f"{directory} holds step folders this version cannot read "
@@ -189,7 +199,7 @@ def train(cfg: Config, log=None, on_start=None) -> dict:
         ckpt.close()  # raises if the last save failed
     state.wait()
     if cfg.loop.export_dir:
-        _export(state.params, cfg, cfg.loop.export_dir, None, cfg.loop.progress)
+        export_final(state.params, cfg, checkpoint_folder(cfg))
     steady = history[1:] or history  # the first record includes compilation
     return {
         "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
@@ -295,37 +305,3 @@ def _stop_message(cfg: Config, step: int, streak: int, ckpt: Checkpointer | None
     return (text + f"The latest checkpoint, step {steps[-1]}, holds the state from before them: "
             "lower optim.lr or check the data, then resume from it (with "
             "loop.accept_changes=true if the optimizer or data change).")
-
-
-def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
-               dtype: str | None = None, progress: str = "auto") -> Path:
-    """Writes checkpoint `step` (default: the latest) of a run as a Hugging Face folder.
-
-    `dtype` defaults to that of the checkpoint the run started from (model.hf_path), else
-    float32. Tokenizer files beside that checkpoint are copied along.
-    """
-    run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.loop.keep_checkpoints)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"{run_dir / 'checkpoints'} holds no complete checkpoint; train "
-                              "with loop.checkpoint_every=N to write some.")
-    trainer = make_trainer(cfg)
-    try:
-        tree, _ = restore(ckpt, step, trainer, cfg)
-    finally:
-        ckpt.close()
-    return _export(tree["params"], cfg, out_dir, dtype, progress)
-
-
-def _export(params: dict, cfg: Config, out_dir, dtype: str | None, progress: str) -> Path:
-    """Writes `params` as a Hugging Face folder, in the source checkpoint's dtype by default."""
-    source = cfg.model.hf_path if cfg.model.hf_path and Path(cfg.model.hf_path).is_dir() else None
-    if dtype is None:
-        source_config = hf.read_hf_config(source) if source else {}
-        dtype = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
-    bar = Progress(len(hf.shard_plan(cfg.model, dtype)), progress, label="export")
-    out = hf.save_params(params, cfg.model, out_dir, dtype=dtype, source=source, progress=bar)
-    bar.close()
-    return out

@@ -1,0 +1,86 @@
+"""Export: a run's weights as a Hugging Face folder, from its checkpoints or at its end.
+
+    export_run(run_dir, out_dir, step=None)    # `megatrain-jax export`: any checkpoint
+    export_final(params, cfg, checkpoints)     # loop.export_dir, when the run ends
+
+The parameters are read from a checkpoint whole, into host memory, whatever the device and
+process count of the run that wrote it; its optimizer state is not read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatrain_jax import model
+from megatrain_jax.config import Config, load_run_config
+from megatrain_jax.io import hf
+from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError
+from megatrain_jax.io.processes import PeerFailed, Peers
+from megatrain_jax.tools.progress import Progress
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
+               dtype: str | None = None, progress: str = "auto") -> Path:
+    """Writes checkpoint `step` (default: the latest) of a run as a Hugging Face folder.
+
+    `dtype` defaults to that of the checkpoint the run started from (model.hf_path), else
+    float32. Tokenizer files beside that checkpoint are copied along.
+    """
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.loop.keep_checkpoints)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"{run_dir / 'checkpoints'} holds no complete checkpoint; train "
+                              "with loop.checkpoint_every=N to write some.")
+    try:
+        params = read_params(ckpt, step, cfg)
+    finally:
+        ckpt.close()
+    return _export(params, cfg, out_dir, dtype, progress)
+
+
+def read_params(ckpt: Checkpointer, step: int, cfg: Config) -> dict:
+    """The parameters of checkpoint `step`, whole, as host NumPy arrays, from a checkpoint of
+    any device and process count (the optimizer state is not read)."""
+    tree, _ = ckpt.restore(step, {"params": model.abstract(cfg.model)})
+    return tree["params"]
+
+
+def export_final(params: dict, cfg: Config, checkpoints: Path) -> None:
+    """Writes loop.export_dir when the run ends: `params`, or in a run of several processes
+    (none of which holds them whole) those of the final checkpoint in `checkpoints`, always
+    written there, read by the first process while the others wait for it."""
+    peers = Peers.of_this_run()
+    if peers is None:
+        _export(params, cfg, cfg.loop.export_dir, None, cfg.loop.progress)
+        return
+    if not peers.main:
+        try:
+            peers.hear("export", 0)
+        except PeerFailed as e:
+            raise CheckpointError(f"loop.export_dir was not written: {e}") from None
+        return
+    try:
+        ckpt = Checkpointer(checkpoints)
+        try:
+            params = read_params(ckpt, cfg.loop.steps, cfg)
+        finally:
+            ckpt.close()
+        _export(params, cfg, cfg.loop.export_dir, None, cfg.loop.progress)
+    except BaseException as e:
+        peers.tell("export", f"process 0: {e}")
+        raise
+    peers.tell("export", "ok")
+
+
+def _export(params: dict, cfg: Config, out_dir, dtype: str | None, progress: str) -> Path:
+    """Writes `params` as a Hugging Face folder, in the source checkpoint's dtype by default."""
+    source = cfg.model.hf_path if cfg.model.hf_path and Path(cfg.model.hf_path).is_dir() else None
+    if dtype is None:
+        source_config = hf.read_hf_config(source) if source else {}
+        dtype = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
+    bar = Progress(len(hf.shard_plan(cfg.model, dtype)), progress, label="export")
+    out = hf.save_params(params, cfg.model, out_dir, dtype=dtype, source=source, progress=bar)
+    bar.close()
+    return out

@@ -1,0 +1,168 @@
+"""Checkpoints of a run of several processes (io/saving.py, io/shards.py, train/export.py).
+
+Two `megatrain-jax train` processes with two CPU devices each, joined by jax.distributed,
+checkpoint a run; one is killed (SIGKILL) in the middle of the last save, which the test
+makes deterministic with MEGATRAIN_JAX_TEST_PAUSE_SAVE. The earlier checkpoint then resumes
+on two processes, on one process with two devices and on one with one device, each with the
+unbroken run's losses, and both exports (loop.export_dir of the run of two processes, and
+`megatrain-jax export` here, in one process) load in transformers with the run's logits.
+The runs share one fixture: processes are the slow part.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from megatrain_jax.io.checkpoint import Checkpointer, complete_steps
+from megatrain_jax.io.saving import PAUSE_SAVE
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, EVERY = 4, 2  # checkpoints 2 and 4; process 1 is killed while saving 4
+OVERRIDES = ["model.compute_dtype=float32", "model.attention=xla", "optim.lr=1e-2",
+             f"loop.steps={STEPS}", f"loop.checkpoint_every={EVERY}", "loop.progress=none",
+             "loop.log_every=1", "loop.tensorboard=off", "loop.timeline_step=-1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _train(run_dir: Path, devices: int, processes: int = 1, pause: int | None = None,
+           *more: str) -> list[subprocess.Popen]:
+    """`megatrain-jax train tiny` in `processes` processes of `devices` CPU devices each,
+    sharing the test session's compilation cache; process 1 pauses in the save of `pause`."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    command = [sys.executable, "-m", "megatrain_jax.cli", "train", "tiny", *OVERRIDES,
+               f"loop.run_dir={run_dir}", *more]
+    if processes == 1:
+        return [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)]
+    port = _free_port()
+    return [subprocess.Popen(
+        [*command, "--coordinator", f"localhost:{port}", "--processes", str(processes),
+         "--process-id", str(i)],
+        env={**env, **({PAUSE_SAVE: str(pause)} if pause and i == 1 else {})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(processes)]
+
+
+def _finish(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        output, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, output[-6000:]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl")
+                                              .read_text().splitlines())}
+
+
+def _wait_for(condition, procs: list[subprocess.Popen], timeout: float = 240) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > end:
+            for p in procs:
+                p.kill()
+            outputs = [p.communicate()[0][-3000:] for p in procs]
+            pytest.fail("the run did not reach the save to kill:\n" + "\n".join(outputs))
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("processes")
+    killed = folder / "killed"
+    procs = _train(killed, 2, 2, STEPS)
+    partial = killed / "checkpoints" / f"{STEPS}.partial"
+    # Process 1 has written and verified its shards of the last save and pauses before it
+    # says so; process 0 has written its part, logged the last step, and waits for it.
+    _wait_for(lambda: (partial / "paused-1").exists() and (partial / "part-0.json").exists()
+              and STEPS in _losses(killed), procs)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].wait()
+    time.sleep(0.5)  # what process 0 would publish without process 1's word, it would by now
+    seen = {"steps": complete_steps(killed / "checkpoints"),
+            "folders": sorted(p.name for p in (killed / "checkpoints").iterdir()),
+            "partial": sorted(p.name for p in partial.iterdir())}
+    procs[0].kill()  # else the coordination service ends it when process 1's heartbeats stop
+    procs[0].wait()
+    unbroken = _losses(killed)
+    for name in ("two", "one_two", "one_one"):
+        shutil.copytree(killed, folder / name)
+    resumed = [*_train(folder / "two", 2, 2, None, f"loop.export_dir={folder / 'final'}"),
+               *_train(folder / "one_two", 2), *_train(folder / "one_one", 1)]
+    _finish(resumed)
+    return folder, seen, unbroken
+
+
+def test_a_process_killed_during_a_save_leaves_the_step_invisible(runs):
+    folder, seen, unbroken = runs
+    assert sorted(unbroken) == list(range(1, STEPS + 1))
+    assert seen["steps"] == [EVERY]  # the earlier checkpoint, untouched
+    assert seen["folders"] == [str(EVERY), f"{STEPS}.partial"]
+    partial = seen["partial"]
+    assert "manifest.json" not in partial and "part-1.json" not in partial
+    assert "part-0.json" in partial and any(name.endswith(".bin") for name in partial)
+
+
+def test_the_checkpoint_of_two_processes_resumes_on_two_on_one_and_on_one_device(runs):
+    folder, _, unbroken = runs
+    later = range(EVERY + 1, STEPS + 1)
+    for name in ("two", "one_two", "one_one"):
+        losses = _losses(folder / name)
+        assert sorted(losses) == list(range(1, STEPS + 1)), name
+        np.testing.assert_allclose([losses[s] for s in later], [unbroken[s] for s in later],
+                                   rtol=1e-6, err_msg=name)
+        assert Checkpointer(folder / name / "checkpoints").steps() == [EVERY, STEPS]
+        assert not list((folder / name / "checkpoints").glob("*.partial"))  # the killed save's
+    manifest = json.loads((folder / "two" / "checkpoints" / str(STEPS) / "manifest.json")
+                          .read_text())
+    table = next(a for a in manifest["arrays"] if a["key"] == "['params']['embed'].table")
+    assert len(table["shards"]) == 4  # one per device of the two processes, none gathered
+
+
+def test_exports_of_the_run_of_two_processes_load_in_transformers_with_its_logits(runs):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from megatrain_jax import model
+    from megatrain_jax.cli import main
+    from megatrain_jax.config import load_run_config
+    from megatrain_jax.train.export import read_params
+
+    folder, _, _ = runs
+    out = folder / "exported"
+    assert main(["export", str(folder / "two"), str(out), "--progress", "none"]) == 0
+    cfg = load_run_config(folder / "two")
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 24))
+
+    def ours(run: str, step: int) -> np.ndarray:
+        params = read_params(Checkpointer(folder / run / "checkpoints"), step, cfg)
+        return np.asarray(model.logits(params, tokens, cfg.model))
+
+    def theirs(exported: Path) -> np.ndarray:
+        m = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32,
+                                                              attn_implementation="eager")
+        with torch.no_grad():
+            return m.eval()(torch.tensor(tokens)).logits.numpy()
+
+    # The run's model: its last checkpoint as one process on one device wrote it, whole.
+    expected = ours("one_one", STEPS)
+    assert np.max(np.abs(expected - ours("one_one", EVERY))) > 1e-3  # the steps moved it
+    for exported in (out, folder / "final"):  # this process's export, the run's own
+        assert np.max(np.abs(theirs(exported) - expected)) <= 1e-4

@@ -1,5 +1,9 @@
 """Checkpoints of a run of several processes (io/saving.py, io/shards.py, train/export.py).
 
+How the processes agree on a save is shown first with processes played by threads, over a
+key-value store like the coordination service's: a step appears only once every process's
+part is verified, and a failure (or silence) anywhere leaves only the earlier checkpoints.
+
 Two `megatrain-jax train` processes with two CPU devices each, joined by jax.distributed,
 checkpoint a run; one is killed (SIGKILL) in the middle of the last save, which the test
 makes deterministic with MEGATRAIN_JAX_TEST_PAUSE_SAVE. The earlier checkpoint then resumes
@@ -16,21 +20,103 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from megatrain_jax.io.checkpoint import Checkpointer, complete_steps
-from megatrain_jax.io.saving import PAUSE_SAVE
+from megatrain_jax.io import array_files, processes
+from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError, complete_steps
+from megatrain_jax.io.processes import Peers
+from megatrain_jax.io.saving import PAUSE_SAVE, Writer
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, EVERY = 4, 2  # checkpoints 2 and 4; process 1 is killed while saving 4
 OVERRIDES = ["model.compute_dtype=float32", "model.attention=xla", "optim.lr=1e-2",
              f"loop.steps={STEPS}", f"loop.checkpoint_every={EVERY}", "loop.progress=none",
              "loop.log_every=1", "loop.tensorboard=off", "loop.timeline_step=-1"]
+
+
+class _Store:
+    """The coordination service's key-value store, for processes played by threads."""
+
+    def __init__(self):
+        self.values, self.changed = {}, threading.Condition()
+
+    def key_value_set(self, key: str, value: str) -> None:
+        with self.changed:
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout_in_ms / 1000):
+                raise RuntimeError("DEADLINE_EXCEEDED: the key was not set")
+            return self.values[key]
+
+
+WHOLE = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+
+
+def _save_by_threads(folder: Path, step: int, running=(0, 1), nan_in=None) -> dict:
+    """Checkpoint `step` of WHOLE saved by two processes (threads), each holding three of its
+    columns; those in `running` take part. Returns what each raised, or "ok"."""
+    store, pool, outcome = _Store(), ThreadPoolExecutor(4), {}
+
+    def process(index: int) -> None:
+        peers = Peers(store, index, 2)
+        peers.prefix = "test"  # both threads' messages in one namespace, as in two processes
+        block = np.ascontiguousarray(WHOLE[:, 3 * index:3 * index + 3])
+        if index == nan_in:
+            block[1, 1] = np.nan
+        region = ((0, 8), (3 * index, 3 * index + 3))
+        sources = [{"key": "['w']", "name": "w", "shape": [8, 6], "dtype": "float32",
+                    "shards": [(region, f"w@0.{3 * index}.bin",
+                                [array_files.byte_view(block)], np.dtype(np.float32))]}]
+        try:
+            Writer(folder, pool, peers).save(step, sources, {"step": step}, threading.Event())
+            outcome[index] = "ok"
+        except Exception as e:
+            outcome[index] = e
+
+    threads = [threading.Thread(target=process, args=(i,)) for i in running]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    pool.shutdown()
+    return outcome
+
+
+def test_a_step_of_several_processes_appears_whole_once_every_part_is_verified(tmp_path):
+    assert _save_by_threads(tmp_path, 5) == {0: "ok", 1: "ok"}
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.steps() == [5] and not list(tmp_path.glob("*.partial"))
+    tree, meta = ckpt.restore(5, {"w": jax.ShapeDtypeStruct((8, 6), np.float32)})
+    np.testing.assert_array_equal(tree["w"], WHOLE)
+    assert meta == {"step": 5}
+
+
+def test_a_failing_process_fails_the_save_of_every_process_and_keeps_the_earlier(tmp_path):
+    assert _save_by_threads(tmp_path, 3) == {0: "ok", 1: "ok"}
+    outcome = _save_by_threads(tmp_path, 5, nan_in=1)
+    assert isinstance(outcome[1], CheckpointError) and "non-finite values (w)" in str(outcome[1])
+    assert isinstance(outcome[0], CheckpointError)
+    assert str(outcome[0]).startswith("process 1: checkpoint 5 not written: the state holds "
+                                      "non-finite values (w)")
+    assert Checkpointer(tmp_path).steps() == [3] and not list(tmp_path.glob("*.partial"))
+
+
+def test_a_process_that_never_answers_leaves_the_step_invisible(tmp_path, monkeypatch):
+    monkeypatch.setattr(processes, "WAIT_S", 0.5)
+    (outcome,) = _save_by_threads(tmp_path, 5, running=(0,)).values()
+    assert isinstance(outcome, CheckpointError)
+    assert "checkpoint 5 not written: process 1 did not answer within" in str(outcome)
+    assert Checkpointer(tmp_path).steps() == [] and not list(tmp_path.glob("*.partial"))
 
 
 def _free_port() -> int:

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import pytest
 
-from megatrain_jax.io import array_files, processes
+from megatrain_jax.io import array_files, processes, saving
 from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError, complete_steps
 from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.saving import PAUSE_SAVE, Writer
@@ -117,6 +117,18 @@ def test_a_process_that_never_answers_leaves_the_step_invisible(tmp_path, monkey
     assert isinstance(outcome, CheckpointError)
     assert "checkpoint 5 not written: process 1 did not answer within" in str(outcome)
     assert Checkpointer(tmp_path).steps() == [] and not list(tmp_path.glob("*.partial"))
+
+
+def test_each_shard_is_written_from_its_own_pinned_buffer():
+    """As one process writes its arrays: a view of the buffer, no copy."""
+    from megatrain_jax.stream.placement import HOST_KIND, Placement
+
+    tree = Placement().place({"w": np.ones((8, 4), np.float32)}, HOST_KIND)
+    (source,) = saving.sources(tree, whole=False)
+    ((region, file, (data,), _),) = source["shards"]
+    assert region == ((0, 8), (0, 4)) and file == "w@0.0.bin"
+    buffer = tree["w"].addressable_shards[0].data.unsafe_buffer_pointer()
+    assert data.ctypes.data == buffer and not data.flags.writeable
 
 
 def _free_port() -> int:

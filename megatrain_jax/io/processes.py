@@ -34,6 +34,8 @@ class Peers:
     def __init__(self, client, process: int, count: int):
         self.client, self.process, self.count = client, process, count
         self.prefix = f"megatrain/{next(_made)}"
+        self.rounds = itertools.count()  # saves agreed on: a fresh name for each, even the
+        # same step saved twice
 
     @classmethod
     def of_this_run(cls) -> Peers | None:

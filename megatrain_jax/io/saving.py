@@ -109,7 +109,8 @@ class Writer:
         """The save of one process of several: the first makes STEP.partial, each writes and
         verifies its part and says so, and the first publishes the step when every part is
         there (or removes the folder and passes on the first failure)."""
-        peers, key = self._peers, f"{step}"
+        peers = self._peers
+        key = f"{next(peers.rounds)}-{step}"
         if peers.main:
             self._tell_outcome(f"{key}/started", lambda: self._start_partial(partial), step)
         else:
@@ -231,7 +232,9 @@ class Writer:
                               "plan` shows what a checkpoint needs)",
                 errno.EDQUOT: "free space within the disk quota or lower loop.keep_checkpoints",
                 errno.EACCES: "make the folder writable or choose another loop.run_dir",
-                errno.EROFS: "choose a loop.run_dir on a writable disk"}.get(
+                errno.EROFS: "choose a loop.run_dir on a writable disk",
+                errno.ENOENT: "the folder is gone; in a run of several processes, loop.run_dir "
+                              "must be on a disk that every process sees"}.get(
             error.errno, "check the disk and the folder")
         return (f"cannot write checkpoint {step} ({error.filename or self.directory}): "
                 f"{error.strerror or error}. Earlier checkpoints are untouched "

@@ -16,9 +16,8 @@ ends the others; WAIT_S bounds a wait on a process that is alive but stuck.
 from __future__ import annotations
 
 import itertools
-import os
 
-WAIT_S = float(os.environ.get("MEGATRAIN_JAX_PEER_WAIT_S", 3600))
+WAIT_S = 3600.0  # seconds
 _made = itertools.count()  # Peers made in this process: the same sequence in every process
 
 

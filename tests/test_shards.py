@@ -93,3 +93,23 @@ def test_the_parts_of_every_process_merge_into_one_array_or_are_refused(tmp_path
     (tmp_path / "a@1.bin").write_bytes(b"short")
     with pytest.raises(manifests.PartsDisagree, match=r"a@1.bin holds 5 bytes, 96 written"):
         manifests.merge_parts(tmp_path, 2)
+
+
+def test_a_checkpoint_of_format_1_reads_as_one_shard_per_array(tmp_path):
+    """Format 1, before shards: one whole file per array, named at the array's entry."""
+    import jax
+
+    from megatrain_jax.io.checkpoint import Checkpointer
+
+    folder = tmp_path / "5"
+    folder.mkdir()
+    (stored,) = _write(folder, WHOLE, [shards.whole(WHOLE.shape)])
+    entry = {"key": "['a']", "file": stored["file"], "shape": list(WHOLE.shape),
+             "dtype": "float32", "bytes": stored["bytes"], "checksum": stored["checksum"]}
+    (folder / "manifest.json").write_text(json.dumps(
+        {"format": "megatrain-checkpoint/1", "step": 5, "meta": {"step": 5}, "arrays": [entry]}))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tree, meta = Checkpointer(tmp_path).restore(
+        5, {"a": jax.ShapeDtypeStruct(WHOLE.shape, np.float32, sharding=device)})
+    assert meta == {"step": 5} and isinstance(tree["a"], jax.Array)
+    np.testing.assert_array_equal(np.asarray(tree["a"]), WHOLE)

@@ -102,6 +102,7 @@ class Checkpointer:
         self._runner = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="checkpoint-io")
         self._job: Future | None = None
+        self._job_step: int | None = None
         self._peers: Peers | None = None  # the run's other processes, met at the first save
         self._written = threading.Event()
         self._written.set()
@@ -141,6 +142,12 @@ class Checkpointer:
         sources = saving.sources(tree, whole=self._peers is None)
         self._written = threading.Event()
         self._job = self._runner.submit(self._save, step, sources, meta, self._written)
+        self._job_step = step
+
+    def saving(self) -> int | None:
+        """The step of the save still under way (not yet verified and visible), else None."""
+        job = self._job
+        return self._job_step if job is not None and not job.done() else None
 
     def wait_written(self) -> None:
         """Returns once the last save has read all it writes from the state's buffers."""

@@ -5,6 +5,7 @@ starts on the first process).
     peers = Peers.of_this_run()              # None in a run of one process
     peers.tell(f"{key}/written", "ok")       # or the error text
     peers.hear(f"{key}/written", process)    # waits; PeerFailed(text) unless "ok"
+    peers.said("stop-request")               # {process: word} told so far; does not wait
 
 Unlike a collective (`multihost_utils.sync_global_devices`), a message needs no device and may
 be sent from any thread, so a save can agree while the next steps run. JAX offers the store
@@ -54,17 +55,27 @@ class Peers:
     def tell(self, what: str, value: str) -> None:
         self.client.key_value_set(f"{self.prefix}/{what}/{self.process}", value)
 
-    def hear(self, what: str, process: int) -> None:
-        """Waits for `process`'s word on `what`; raises PeerFailed unless it is "ok"."""
+    def word(self, what: str, process: int) -> str:
+        """Waits for `process`'s word on `what` and returns it; PeerFailed if none comes."""
         try:
-            value = self.client.blocking_key_value_get(f"{self.prefix}/{what}/{process}",
-                                                       int(WAIT_S * 1000))
+            return self.client.blocking_key_value_get(f"{self.prefix}/{what}/{process}",
+                                                      int(WAIT_S * 1000))
         except Exception as e:  # the runtime's own error type, from a timeout or a lost service
             raise PeerFailed(f"process {process} did not answer within {WAIT_S:.0f} s "
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
                              ) from None
+
+    def hear(self, what: str, process: int) -> None:
+        """Waits for `process`'s word on `what`; raises PeerFailed unless it is "ok"."""
+        value = self.word(what, process)
         if value != "ok":
             raise PeerFailed(value, said=True)
+
+    def said(self, what: str) -> dict[int, str]:
+        """The words on `what` the processes have told so far, by process (does not wait)."""
+        folder = f"{self.prefix}/{what}/"
+        return {int(key[len(folder):]): value
+                for key, value in self.client.key_value_dir_get(folder)}
 
     def hear_all(self, what: str) -> None:
         """Waits for every other process's word on `what` (all of them, so that none is still

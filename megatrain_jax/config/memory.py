@@ -7,7 +7,7 @@ embeddings, saved activations and inputs, kept attention and weights), and the h
     device = device_bytes(cfg, plan, devices=1)      # {component: bytes} on each GPU
     host = host_state_bytes(cfg, plan, devices=1)    # {component: bytes} pinned on the host
 
-Which placement a run takes is the planner's decision (tools/planner.py), made once from
+Which placement a run takes is the planner's decision (planning/planner.py), made once from
 these bytes and the step's bound. Here, below the trainers and the planner, so that both
 count the same bytes. The attention path and the MLP tile follow config/auto.py, the rules
 the model itself runs by.
@@ -25,15 +25,17 @@ from megatrain_jax.config.schema import MOMENT_BLOCK, Config, layer_grad_dtype, 
 GiB = 2**30
 # Host-held layer inputs on the GPU at once in the backward: the one in use and the next.
 SAVED_IN_FLIGHT = 2
-# GPU memory a placement leaves free beyond the estimate (calibrated against the peaks
-# measured on the H200: benchmarks/RESULTS.md, "Placement").
-HEADROOM = 2 * GiB
+# GPU memory a placement leaves free beyond the estimate: the estimate has come out up to
+# 2.4 GiB under the measured peak (7b streamed at a 24 GiB budget, 16 x 1024 tokens, on the
+# H200: benchmarks/RESULTS.md, "Placement"), and up to 4 GiB over where layers save their
+# activations.
+HEADROOM = 3 * GiB
 OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
 
 
 @dataclasses.dataclass(frozen=True)
 class PlacementPlan:
-    """Where a run's state and activations live, layer by layer (tools/planner.py decides).
+    """Where a run's state and activations live, layer by layer (planning/planner.py decides).
 
     Layers in order: the first `resident_layers` keep their weights and optimizer state on
     the GPU and update there; the last `saving_layers` save their activations in the forward
@@ -62,7 +64,7 @@ class PlacementPlan:
 
 
 def plan_of(cfg: Config) -> PlacementPlan:
-    """The placement a resolved cfg pins (tools/planner.py's `resolve`): every placement key
+    """The placement a resolved cfg pins (planning/planner.py's `resolve`): every placement key
     a number, or on/off, device/pinned_host. Refuses a cfg the planner has not resolved."""
     s, layers = cfg.stream, cfg.model.layers
     counts = {k: pinned(getattr(s, k)) for k in
@@ -71,7 +73,7 @@ def plan_of(cfg: Config) -> PlacementPlan:
     unresolved += [k for k in ("resident_embeddings", "saved_inputs") if getattr(s, k) == "auto"]
     if unresolved:
         raise ValueError(f"stream.{unresolved[0]}={getattr(s, unresolved[0])} is not resolved: "
-                         "plan the placement first (tools/planner.py: resolve)")
+                         "plan the placement first (planning/planner.py: resolve)")
     saving = counts["keep_layers"]
     host = {"device": 0, "pinned_host": layers - saving}.get(s.saved_inputs)
     return PlacementPlan(counts["resident_layers"], s.resident_embeddings == "on", saving,

@@ -11,6 +11,10 @@ on two processes, on one process with two devices and on one with one device, ea
 unbroken run's losses, and both exports (loop.export_dir of the run of two processes, and
 `megatrain-jax export` here, in one process) load in transformers with the run's logits.
 The runs share one fixture: processes are the slow part.
+
+A clean stop (SIGTERM) that reaches one process of a run stops every process after the same
+step, with the same save (train/stop.py's AgreedStop): shown over threads, then with two
+processes of which only the second gets the signal.
 """
 
 import json
@@ -33,6 +37,7 @@ from megatrain_jax.io import array_files, processes, saving
 from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError, complete_steps
 from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.saving import PAUSE_SAVE, Writer
+from megatrain_jax.train.stop import AgreedStop
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, EVERY = 4, 2  # checkpoints 2 and 4; process 1 is killed while saving 4
@@ -57,6 +62,10 @@ class _Store:
             if not self.changed.wait_for(lambda: key in self.values, timeout_in_ms / 1000):
                 raise RuntimeError("DEADLINE_EXCEEDED: the key was not set")
             return self.values[key]
+
+    def key_value_dir_get(self, folder: str) -> list[tuple[str, str]]:
+        with self.changed:
+            return [(k, v) for k, v in self.values.items() if k.startswith(folder)]
 
 
 WHOLE = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
@@ -117,6 +126,34 @@ def test_a_process_that_never_answers_leaves_the_step_invisible(tmp_path, monkey
     assert isinstance(outcome, CheckpointError)
     assert "checkpoint 5 not written: process 1 did not answer within" in str(outcome)
     assert Checkpointer(tmp_path).steps() == [] and not list(tmp_path.glob("*.partial"))
+
+
+def _decide_by_threads(store: _Store, stops: list, key: str, last: bool = False) -> list:
+    """Both processes' decision after step `key`; process 0 still commits checkpoint 2, while
+    process 1's part of it is done. Process 0 decides once a signal of process 1 is told."""
+    peers = [Peers(store, i, 2) for i in (0, 1)]
+    for p in peers:
+        p.prefix = "test"
+    with ThreadPoolExecutor(1) as pool:
+        follower = pool.submit(AgreedStop(stops[1], peers[1]).decide, key, last, lambda: None)
+        end = time.monotonic() + 10
+        while stops[1].signal is not None and not peers[0].said("stop-request"):
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        return [AgreedStop(stops[0], peers[0]).decide(key, last, lambda: 2),
+                follower.result(timeout=10)]
+
+
+def test_a_signal_to_any_process_stops_every_process_after_the_same_step():
+    from types import SimpleNamespace
+
+    store, stops = _Store(), [SimpleNamespace(signal=None), SimpleNamespace(signal=None)]
+    assert _decide_by_threads(store, stops, "1") == [(None, None)] * 2
+    stops[1].signal = signal.SIGTERM  # the second process only
+    assert _decide_by_threads(store, stops, "2", last=True) == [(None, None)] * 2  # finishes
+    assert _decide_by_threads(store, stops, "3") == [(signal.SIGTERM, 2)] * 2
+    stops = [SimpleNamespace(signal=signal.SIGINT), SimpleNamespace(signal=None)]
+    assert _decide_by_threads(_Store(), stops, "4") == [(signal.SIGINT, 2)] * 2
 
 
 def test_each_shard_is_written_from_its_own_pinned_buffer():
@@ -264,3 +301,18 @@ def test_exports_of_the_run_of_two_processes_load_in_transformers_with_its_logit
     assert np.max(np.abs(expected - ours("one_one", EVERY))) > 1e-3  # the steps moved it
     for exported in (out, folder / "final"):  # this process's export, the run's own
         assert np.max(np.abs(theirs(exported) - expected)) <= 1e-4
+
+
+def test_sigterm_to_one_process_stops_both_cleanly_at_one_complete_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    procs = _train(run, 1, 2, None, "loop.steps=100000", "loop.checkpoint_every=100000")
+    records = run / "process-1" / "metrics.jsonl"
+    _wait_for(lambda: records.exists() and records.read_text().count("\n") >= 2, procs)
+    os.kill(procs[1].pid, signal.SIGTERM)  # the first process gets no signal
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [143, 143], outputs
+    (at,) = complete_steps(run / "checkpoints")  # the step both stopped at, saved by both
+    assert max(_losses(run)) == max(_losses(run / "process-1")) == at
+    assert outputs[0].strip().splitlines()[-1].endswith(
+        f"stopped by SIGTERM at step {at} of 100000: checkpoint {at} is complete in "
+        f"{run / 'checkpoints'}; run the same command to resume.")

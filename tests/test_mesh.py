@@ -166,12 +166,14 @@ def test_two_processes_of_the_command_line_match_one_process(tmp_path):
     assert not (run_dir / "process-1" / "tensorboard").exists()
 
 
-def test_a_run_of_several_processes_refuses_checkpoints_before_it_starts(tmp_path, capsys):
+def test_a_run_of_several_processes_refuses_an_export_without_checkpoints_before_it_starts(
+        tmp_path, capsys):
     from megatrain_jax.cli import main
 
-    code = main(["train", "tiny", "loop.checkpoint_every=2", f"loop.run_dir={tmp_path}/r",
+    code = main(["train", "tiny", f"loop.export_dir={tmp_path}/out", f"loop.run_dir={tmp_path}/r",
                  "--coordinator", "localhost:1", "--processes", "2", "--process-id", "1"])
-    assert code == 2 and "loop.checkpoint_every=0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and "set loop.checkpoint_every too" in err and "megatrain-jax export" in err
     assert not (tmp_path / "r").exists()
     code = main(["train", "tiny", "--processes", "2"])
     assert code == 2 and "--coordinator" in capsys.readouterr().err

@@ -44,7 +44,7 @@ def _losses(run_dir) -> dict:
 
 def _checksums(run_dir, step) -> dict:
     manifest = json.loads((run_dir / "checkpoints" / str(step) / "manifest.json").read_text())
-    return {a["key"]: a["checksum"] for a in manifest["arrays"]}
+    return {a["key"]: [shard["checksum"] for shard in a["shards"]] for a in manifest["arrays"]}
 
 
 def _last_line(capsys) -> str:

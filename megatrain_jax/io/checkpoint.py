@@ -6,57 +6,55 @@
     ckpt.wait()                       # on disk, read back, verified, the oldest ones deleted
     tree, meta = ckpt.restore(step, target)   # target: ShapeDtypeStructs with shardings
 
-CHECKPOINTS/STEP/ holds one raw file per array (array_files.py) and manifest.json: the
-caller's record (`meta`) and, per array, its path in the tree, file, shape, dtype, size and
-checksum (checksum.py). What the folder promises:
+CHECKPOINTS/STEP/ holds one raw file per array, or per shard of it (array_files.py,
+shards.py), and manifest.json (manifests.py): the caller's record (`meta`) and, per array, its
+path in the tree, shape, dtype and shards, each with its file, size and checksum (checksum.py).
+What the folder promises:
 
 - It appears (renamed from STEP.partial) only when every file is written, synced to the disk,
   read back and matched against the checksums taken from the state as it was written; only
   then are checkpoints beyond `keep` deleted. A killed process, a full disk or a folder that
   is not writable leaves the earlier checkpoints as they were, and the error says so once.
 - It never holds a non-finite value: the write stops at the first one and names the array.
-- Restoring checks every array's size and checksum and refuses a damaged checkpoint, naming
-  the step and the file; nothing is deleted.
+- Restoring checks every file's size and checksum and refuses a damaged checkpoint, naming
+  the step and the file; nothing is deleted. Any device count, in any count of processes,
+  restores any checkpoint: each process reads the blocks its devices hold.
+
+Several processes (jax.distributed), one folder on a disk they all see: each process writes
+the shards of the state it holds (one copy of each), reads them back and lists them in
+STEP.partial/part-I.json; the first process, told by every other that its part is verified
+(processes.py), checks that the parts tile every array and renames the folder. Until then the
+step is not visible, whichever process dies.
 
 Host memory: arrays in host memory (the streaming engine's pinned state) are read straight
 from their buffers, in chunks, with no copy, while training goes on; the caller must not write
 them until `wait_written()` returns. Arrays in device memory are copied to the host first,
-synchronously, since the next step may donate them. (orbax-checkpoint, used before, checks
-no data on restore: its zarr3 format checksums shard indexes only.)
+synchronously, since the next step may donate them. (orbax-checkpoint, used before, copies the
+state to host arrays to write it and checks no data on restore: its zarr3 format checksums
+shard indexes only.)
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from megatrain_jax.io import array_files
-from megatrain_jax.io.array_files import Damaged, NonFinite
+from megatrain_jax.io import manifests, saving, shards
+from megatrain_jax.io.array_files import Damaged
 from megatrain_jax.io.checksum import Checksum
+from megatrain_jax.io.manifests import MANIFEST, CheckpointError, complete_steps
+from megatrain_jax.io.processes import Peers
+from megatrain_jax.io.saving import Writer
 
-FORMAT = "megatrain-checkpoint/1"
-MANIFEST = "manifest.json"
+__all__ = ["Checkpointer", "CheckpointError", "complete_steps", "foreign_steps", "free_bytes",
+           "room_needed", "size", "tree_bytes"]
 THREADS = min(4, os.cpu_count() or 1)  # arrays written, verified or restored at once
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged, cannot be written or does not match the model."""
-
-
-def complete_steps(directory: str | Path) -> list[int]:
-    """Steps of the complete checkpoints in `directory` (folders STEP holding a manifest)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir()
-                  if p.name.isdigit() and (p / MANIFEST).is_file())
 
 
 def foreign_steps(directory: str | Path) -> list[int]:
@@ -105,6 +103,7 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="checkpoint-io")
         self._job: Future | None = None
         self._job_step: int | None = None
+        self._peers: Peers | None = None  # the run's other processes, met at the first save
         self._written = threading.Event()
         self._written.set()
         Checksum(np.float32).update(np.zeros(8, np.uint8))  # the kernel, loaded (or compiled)
@@ -133,18 +132,14 @@ class Checkpointer:
 
     def save(self, step: int, tree, meta: dict) -> None:
         """Starts writing `tree` and `meta` as checkpoint `step`, once the previous save has
-        ended (its error, if any, is raised here)."""
+        ended (its error, if any, is raised here). In a run of several processes every
+        process calls it, for the same step, with its own arrays of the same tree."""
         import jax
 
         self.wait()
-        sources, names = [], set()
-        for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                            for k in path).replace("/", "_") + ".bin"  # params.layers.3.wq.bin
-            name = f"{len(names)}.{name}" if name in names else name
-            names.add(name)
-            sources.append((jax.tree_util.keystr(path), name, array,
-                            array_files.host_pieces(array)))
+        if self._peers is None and jax.process_count() > 1:
+            self._peers = Peers.of_this_run()
+        sources = saving.sources(tree, whole=self._peers is None)
         self._written = threading.Event()
         self._job = self._runner.submit(self._save, step, sources, meta, self._written)
         self._job_step = step
@@ -179,68 +174,10 @@ class Checkpointer:
             self._pool.shutdown()
 
     def _save(self, step: int, sources: list, meta: dict, written: threading.Event) -> None:
-        final, partial = self.directory / str(step), self.directory / f"{step}.partial"
-
-        def write(source) -> dict:
-            key, name, array, data = source
-            try:
-                checksum = array_files.write_array(partial / name, data, array.dtype)
-            except NonFinite:
-                raise NonFinite(name[:-len(".bin")]) from None
-            return {"key": key, "file": name, "shape": list(array.shape),
-                    "dtype": np.dtype(array.dtype).name,
-                    "bytes": sum(int(piece.size) for piece in data),
-                    "checksum": checksum}
-
-        def verify(entry: dict) -> None:
-            try:
-                array_files.read_array(partial / entry["file"], entry["bytes"], entry["dtype"],
-                                       entry["checksum"])
-            except Damaged as e:
-                raise CheckpointError(f"checkpoint {step} did not read back as written: "
-                                      f"{partial / entry['file']} {e}.") from None
-
-        try:
-            try:
-                for stale in self.directory.glob("*.partial"):  # left by a killed process
-                    shutil.rmtree(stale)
-                partial.mkdir(parents=True)
-                writes = [self._pool.submit(write, source) for source in sources]
-                wait(writes)  # all of them: none may still read the state after `written`
-                entries = [w.result() for w in writes]
-            finally:
-                written.set()
-                sources.clear()  # host copies of device arrays go now
-            manifest = {"format": FORMAT, "step": step, "meta": meta, "arrays": entries}
-            array_files.write_file(partial / MANIFEST, json.dumps(manifest, indent=1).encode())
-            list(self._pool.map(verify, entries))
-            if final.exists():  # the same step saved again: the new one replaces it
-                shutil.rmtree(final)
-            partial.rename(final)
-            array_files.sync_folder(self.directory)
-        except BaseException as e:
-            shutil.rmtree(partial, ignore_errors=True)
-            if isinstance(e, OSError):
-                raise CheckpointError(self._write_error(step, e)) from None
-            if isinstance(e, NonFinite):
-                raise CheckpointError(
-                    f"checkpoint {step} not written: the state holds non-finite values ({e}), "
-                    f"and no checkpoint is ever written from such a state. Earlier checkpoints "
-                    f"are untouched ({self.steps() or 'none'}).") from None
-            raise
-        for old in self.steps()[:-self.keep]:
-            shutil.rmtree(self.directory / str(old), ignore_errors=True)
-
-    def _write_error(self, step: int, error: OSError) -> str:
-        hint = {errno.ENOSPC: "free disk space or lower loop.keep_checkpoints (`megatrain-jax "
-                              "plan` shows what a checkpoint needs)",
-                errno.EDQUOT: "free space within the disk quota or lower loop.keep_checkpoints",
-                errno.EACCES: "make the folder writable or choose another loop.run_dir",
-                errno.EROFS: "choose a loop.run_dir on a writable disk"}.get(
-            error.errno, "check the disk and the folder")
-        return (f"cannot write checkpoint {step} ({error.filename or self.directory}): "
-                f"{error.strerror or error}. Earlier checkpoints are untouched "
-                f"({self.steps() or 'none'}); {hint}.")
+        Writer(self.directory, self._pool, self._peers).save(step, sources, meta, written)
+        if self._peers is None or self._peers.main:
+            for old in self.steps()[:-self.keep]:
+                shutil.rmtree(self.directory / str(old), ignore_errors=True)
 
     # ----- reading ---------------------------------------------------------------------------
 
@@ -255,8 +192,9 @@ class Checkpointer:
                                   f"{self.steps() or 'none'}")
         try:
             manifest = json.loads(file.read_text())
-            if manifest.get("format") != FORMAT:
-                raise ValueError(f"format {manifest.get('format')!r}, not {FORMAT}")
+            if manifest.get("format") not in manifests.READABLE:
+                raise ValueError(f"format {manifest.get('format')!r}, not "
+                                 f"{' or '.join(manifests.READABLE)}")
             return manifest
         except (OSError, ValueError) as e:
             raise CheckpointError(f"checkpoint {step} is damaged: {file} cannot be read "
@@ -264,7 +202,9 @@ class Checkpointer:
 
     def restore(self, step: int, target) -> tuple[object, dict]:
         """Reads checkpoint `step` into arrays shaped and placed like `target` (a tree of
-        ShapeDtypeStructs with shardings), checking every array's size and checksum."""
+        ShapeDtypeStructs with shardings; each process gets its devices' blocks), checking
+        every file's size and checksum. A leaf without a sharding comes back whole as a NumPy
+        array."""
         import jax
 
         manifest = self._manifest(step)
@@ -283,14 +223,22 @@ class Checkpointer:
 
         def load(item):
             key, leaf = item
-            entry, host = entries[key], array_files.mapped_empty(leaf.shape, leaf.dtype)
+            stored = manifests.shards_of(entries[key])
+            blocks = {}  # devices holding the same block share one read
+
+            def block(index):
+                region = shards.region_of(index, leaf.shape)
+                if region not in blocks:
+                    blocks[region] = shards.read_region(folder, stored, region, leaf.dtype)
+                return blocks[region]
+
             try:
-                array_files.read_array(folder / entry["file"], entry["bytes"], entry["dtype"],
-                                       entry["checksum"], into=array_files.byte_view(host))
+                if getattr(leaf, "sharding", None) is None:
+                    return block(())
+                return jax.make_array_from_callback(leaf.shape, leaf.sharding, block)
             except Damaged as e:
-                raise CheckpointError(f"checkpoint {step} is damaged: {folder / entry['file']} "
-                                      f"{e}.{self._older_hint(step)}") from None
-            return jax.device_put(host, leaf.sharding)
+                raise CheckpointError(f"checkpoint {step} is damaged: {e}."
+                                      f"{self._older_hint(step)}") from None
 
         arrays = list(self._pool.map(load, wanted))
         return treedef.unflatten(arrays), manifest["meta"]

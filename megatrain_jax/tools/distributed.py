@@ -9,7 +9,8 @@ coordinator (the first node's address and a free port) and the process count, an
 
 Without flags, JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID are read from the
 environment; under SLURM or Open MPI, `--processes 0` (or JAX_NUM_PROCESSES=0) leaves all
-three to JAX's detection of the cluster.
+three to JAX's detection of the cluster. The run's folder must be on a disk every node sees:
+each process writes its shards of a checkpoint there (io/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -64,18 +65,15 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
-
 def check_config(cfg) -> None:
     """Refuses what a run of several processes does not do (before anything starts)."""
     from megatrain_jax.config import ConfigError
 
-    if cfg.loop.checkpoint_every:
-        raise ConfigError("checkpoints of a run of several processes are not written yet (each "
-                          "process holds only its devices' shards of the state): set "
-                          "loop.checkpoint_every=0, or run one process with every GPU of a node")
-    if cfg.loop.export_dir:
-        raise ConfigError("loop.export_dir is not written by a run of several processes: leave "
-                          "it empty")
+    if cfg.loop.export_dir and not cfg.loop.checkpoint_every:
+        raise ConfigError(
+            f"loop.export_dir={cfg.loop.export_dir} in a run of several processes is written "
+            "from the final checkpoint (no process holds the whole model): set "
+            "loop.checkpoint_every too, or export later with `megatrain-jax export RUN_DIR OUT`")
 
 
 def process_config(cfg):

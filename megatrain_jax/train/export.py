@@ -1,25 +1,28 @@
 """A run's weights as a Hugging Face folder: from a checkpoint (`export_run`, the `export`
-command) or from the state at the end of a run (`export_params`, loop.export_dir).
+command) or when the run ends (`export_final`, loop.export_dir).
 
     export_run("runs/latest", "out/")                  # the latest checkpoint
     export_run("runs/latest", "out/", step=500, dtype="bfloat16")
+    export_final(params, cfg, checkpoints)             # loop.export_dir, when the run ends
 
-`export_run` takes no lock: it reads only complete checkpoints (a step folder appears once
-verified), so it may run beside the `train` writing them. It reads and verifies the
-parameters alone, so a damaged optimizer moment does not stop it; and where RUN_DIR's
-config.json cannot be read, it takes the config the checkpoint recorded.
+The parameters are read from a checkpoint whole, into host memory, whatever the device and
+process count of the run that wrote it, and only they are read and verified: a damaged
+optimizer moment does not stop an export. `export_run` takes no lock: it reads only complete
+checkpoints (a step folder appears once verified), so it may run beside the `train` writing
+them; where RUN_DIR's config.json cannot be read, it takes the config the checkpoint recorded.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from megatrain_jax import model
 from megatrain_jax.config import Config
 from megatrain_jax.io import hf
 from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError
+from megatrain_jax.io.processes import PeerFailed, Peers
 from megatrain_jax.io.run_folder import run_config
 from megatrain_jax.tools.progress import Progress
-from megatrain_jax.train.trainers import make_trainer
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
@@ -40,11 +43,52 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
         if step is None:
             raise CheckpointError(f"{run_dir / 'checkpoints'} holds no complete checkpoint; "
                                   "train with loop.checkpoint_every=N to write some.")
-        params = make_trainer(cfg).abstract_state()["params"]
-        tree, _ = ckpt.restore(step, {"params": params})  # the optimizer state is not read
+        params = read_params(ckpt, step, cfg)
     finally:
         ckpt.close()
-    return export_params(tree["params"], cfg, out_dir, dtype, progress)
+    return export_params(params, cfg, out_dir, dtype, progress)
+
+
+def read_params(ckpt: Checkpointer, step: int, cfg: Config) -> dict:
+    """The parameters of checkpoint `step`, whole, as host NumPy arrays, from a checkpoint of
+    any device and process count (the optimizer state is not read)."""
+    tree, _ = ckpt.restore(step, {"params": model.abstract(cfg.model)})
+    return tree["params"]
+
+
+def export_final(params: dict | None, cfg: Config, checkpoints: Path,
+                 step: int | None = None) -> None:
+    """Writes loop.export_dir when the run ends: `params`, or where they are None or in a run
+    of several processes (none of which holds them whole) those of checkpoint `step` (default
+    loop.steps, always written) in `checkpoints`, read by the first process while the others
+    wait for it."""
+    peers = Peers.of_this_run()
+    if peers is None:
+        if params is None:
+            params = _checkpoint_params(checkpoints, step or cfg.loop.steps, cfg)
+        export_params(params, cfg, cfg.loop.export_dir, None, cfg.loop.progress)
+        return
+    if not peers.main:
+        try:
+            peers.hear("export", 0)
+        except PeerFailed as e:
+            raise CheckpointError(f"loop.export_dir was not written: {e}") from None
+        return
+    try:
+        params = _checkpoint_params(checkpoints, step or cfg.loop.steps, cfg)
+        export_params(params, cfg, cfg.loop.export_dir, None, cfg.loop.progress)
+    except BaseException as e:
+        peers.tell("export", f"process 0: {e}")
+        raise
+    peers.tell("export", "ok")
+
+
+def _checkpoint_params(checkpoints: Path, step: int, cfg: Config) -> dict:
+    ckpt = Checkpointer(checkpoints)
+    try:
+        return read_params(ckpt, step, cfg)
+    finally:
+        ckpt.close()
 
 
 def export_params(params: dict, cfg: Config, out_dir, dtype: str | None,

@@ -18,12 +18,14 @@ from. A save that fails ends the run at the next step; `loop.max_skipped_steps` 
 in a row (non-finite gradients) end it with TrainingStopped, the checkpoints from before them
 kept. A signal ends it after the step in flight with RunInterrupted: the save under way
 completes and the run stops at its step, or else the step just ended is saved
-(`loop.stop_save`); its metrics line is written in either case.
+(`loop.stop_save`); its metrics line is written in either case. In a run of several
+processes the first decides the stop after each step for all (stop.py's AgreedStop).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,21 +36,23 @@ import numpy as np
 from megatrain_jax.config import Config, ConfigError, host_update, save_config
 from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError
 from megatrain_jax.io.data import TokenSource
+from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.run_folder import RunLock
 from megatrain_jax.stream import Timeline
 from megatrain_jax.tools.machine import memory_record, peak_flops
 from megatrain_jax.tools.progress import Progress
-from megatrain_jax.train.export import export_params, export_run
+from megatrain_jax.train.export import export_final
 from megatrain_jax.train.resume import check_continues, restore, run_record
 from megatrain_jax.train.startup import (
     check_writable,
+    checkpoint_folder,
     checkpointer,
     finished_summary,
     read_records,
     rewind,
     tensorboard,
 )
-from megatrain_jax.train.stop import RunInterrupted, requested
+from megatrain_jax.train.stop import AgreedStop, RunInterrupted
 from megatrain_jax.train.trainers import initial_state, make_trainer
 
 
@@ -104,7 +108,7 @@ def train(cfg: Config, log=None, on_start=None, stop=None) -> dict:
         if finished is None:
             return _train(cfg, lock, log, on_start, stop)
         if cfg.loop.export_dir and not Path(cfg.loop.export_dir).exists():
-            export_run(run_dir, cfg.loop.export_dir, finished["steps"], None, cfg.loop.progress)
+            export_final(None, cfg, checkpoint_folder(cfg), finished["steps"])
         return finished
 
 
@@ -121,17 +125,19 @@ def _train(cfg: Config, lock: RunLock, log, on_start, stop) -> dict:
         state, start, skipped = _resume(cfg, trainer, ckpt)
         if state is None:
             state = initial_state(cfg, trainer)
-        if requested(stop):  # before the first step: nothing to save, nothing written yet
-            raise RunInterrupted(f"stopped by {stop.name} before its first step (step "
+        agreed = AgreedStop(stop, Peers.of_this_run())  # every process stops alike
+        signum, _ = agreed.decide("begin", False, _none)
+        if signum is not None:  # before the first step: nothing to save, nothing written yet
+            raise RunInterrupted(f"stopped by {_name(signum)} before its first step (step "
                                  f"{start + 1}): nothing was trained or written; run the same "
-                                 "command to start again.", stop.signal, None)
+                                 "command to start again.", signum, None)
         _begin(cfg, lock, start)
         if on_start is not None:
             on_start(start)
         tally = _Tally(start, skipped, peak_flops(trainer.devices))
-        state, stopped_at = _loop(cfg, trainer, state, tally, data, val, ckpt, log, stop)
-        if stopped_at is not None:
-            raise _interrupted(cfg, stop, stopped_at, tally, ckpt)
+        state, stopped = _loop(cfg, trainer, state, tally, data, val, ckpt, log, agreed)
+        if stopped is not None:
+            raise _interrupted(cfg, *stopped, tally, ckpt)
     except BaseException:
         if ckpt is not None:
             try:  # a save under way holds a good state: let it finish
@@ -143,7 +149,7 @@ def _train(cfg: Config, lock: RunLock, log, on_start, stop) -> dict:
         ckpt.close()  # raises if the last save failed
     state.wait()
     if cfg.loop.export_dir:
-        export_params(state.params, cfg, cfg.loop.export_dir, None, cfg.loop.progress)
+        export_final(state.params, cfg, checkpoint_folder(cfg))
     history = tally.history
     steady = history[1:] or history  # the first record includes compilation
     return {
@@ -232,9 +238,9 @@ class _Outputs:
 
 
 def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
-          val: TokenSource | None, ckpt: Checkpointer | None, log, stop):
-    """The steps from `tally.start`: (final state, the step a signal stopped the run at, or
-    None when it ran to loop.steps)."""
+          val: TokenSource | None, ckpt: Checkpointer | None, log, agreed: AgreedStop):
+    """The steps from `tally.start`: (final state, (the step a signal stopped the run at,
+    the signal), or None when it ran to loop.steps)."""
     loop = cfg.loop
     out = _Outputs(cfg, tally.start, log)
     try:
@@ -242,9 +248,9 @@ def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
             state, metrics, was_skipped = _step(cfg, trainer, state, data, step, ckpt, tally)
             done, last = step + 1, step + 1 == loop.steps
             halted = tally.streak >= loop.max_skipped_steps
-            stopping = requested(stop) and not last
             # A save under way when a stop comes ends the run at its step; else one is taken.
-            pending = ckpt.saving() if stopping and ckpt is not None else None
+            signum, pending = agreed.decide(str(done), last, _none if ckpt is None else ckpt.saving)
+            stopping = signum is not None
             saved = _save(cfg, trainer, state, ckpt, done, tally, was_skipped, halted,
                           stopping and pending is None and loop.stop_save)
             if val is not None and not halted and (done % loop.eval_every == 0 or last):
@@ -258,7 +264,7 @@ def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
                 raise TrainingStopped(_halt_message(cfg, done, tally.streak, ckpt))
             if stopping:
                 waited = pending is not None and loop.stop_save and not saved
-                return state, pending if waited else done
+                return state, (pending if waited else done, signum)
     finally:
         out.close()
     return state, None
@@ -315,15 +321,23 @@ def _record(cfg: Config, out: _Outputs, metrics: dict, done: int, tally: _Tally)
     tally.timer = time.perf_counter()
 
 
-def _interrupted(cfg: Config, stop, at: int, tally: _Tally,
+def _none() -> None:
+    return None
+
+
+def _name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def _interrupted(cfg: Config, at: int, signum: int, tally: _Tally,
                  ckpt: Checkpointer | None) -> RunInterrupted:
     """The run stopped on a signal at step `at`: once its checkpoints are complete (a failed
     save raises here), the error that says where it stopped and how to resume."""
     if ckpt is not None:
         ckpt.wait()
     latest = ckpt.latest_step() if ckpt is not None else None
-    folder = Path(cfg.loop.run_dir) / "checkpoints"
-    head = f"stopped by {stop.name} at step {at} of {cfg.loop.steps}"
+    folder = checkpoint_folder(cfg)
+    head = f"stopped by {_name(signum)} at step {at} of {cfg.loop.steps}"
     if latest == at:
         ended = tally.history[-1]["step"] if tally.history else at
         if ended > at:  # the save under way was of an earlier step: the run ends there
@@ -336,7 +350,7 @@ def _interrupted(cfg: Config, stop, at: int, tally: _Tally,
         tail = (f"no checkpoint of it ({why}); " + (
             f"run the same command to resume from checkpoint {latest} in {folder}"
             if latest is not None else "the same command starts the run over"))
-    return RunInterrupted(f"{head}: {tail}.", stop.signal, at)
+    return RunInterrupted(f"{head}: {tail}.", signum, at)
 
 
 def _halt_message(cfg: Config, step: int, streak: int, ckpt: Checkpointer | None) -> str:

@@ -2,6 +2,7 @@
 back from it: whether the run is already finished, its checkpoints, its records.
 
     check_writable(run_dir)                    # before anything starts
+    checkpoint_folder(cfg)                     # RUN_DIR/checkpoints, of every process
     finished_summary(cfg)                      # a finished run's summary, or None
     ckpt = checkpointer(cfg, trainer)          # its checkpoints, checked; None without any
     rewind(run_dir, step)                      # records after `step` dropped
@@ -37,6 +38,17 @@ def check_writable(run_dir: Path) -> None:
                           "can write into; choose another loop.run_dir.")
 
 
+def checkpoint_folder(cfg: Config) -> Path:
+    """RUN_DIR/checkpoints, the one folder of every process of a run: the others of a run of
+    several log into RUN_DIR/process-I (tools/distributed.py) and write their shards here."""
+    import jax
+
+    run_dir, process = Path(cfg.loop.run_dir), jax.process_index()
+    if process and run_dir.name == f"process-{process}":
+        run_dir = run_dir.parent
+    return run_dir / "checkpoints"
+
+
 def _latest_record(directory: Path) -> tuple[int, dict] | None:
     """(step, record) of the newest complete checkpoint, from its manifest alone; None when
     there is none or it cannot be read (the resume then says why)."""
@@ -53,7 +65,7 @@ def finished_summary(cfg: Config) -> dict | None:
     """The summary of a run whose newest checkpoint is its last step (loop.steps): running
     its command again has nothing to do. None for any other run."""
     run_dir = Path(cfg.loop.run_dir)
-    directory = run_dir / "checkpoints"
+    directory = checkpoint_folder(cfg)
     latest = _latest_record(directory) if cfg.loop.resume else None
     if latest is None or latest[0] != cfg.loop.steps or foreign_steps(directory):
         return None
@@ -81,7 +93,7 @@ def _foreign_message(directory: Path, steps: list[int]) -> str:
 def checkpointer(cfg: Config, trainer) -> Checkpointer | None:
     """The run's checkpoints, to write or to resume from, checked before anything starts;
     None when there are neither."""
-    directory = Path(cfg.loop.run_dir) / "checkpoints"
+    directory = checkpoint_folder(cfg)
     if foreign_steps(directory):
         raise CheckpointError(_foreign_message(directory, foreign_steps(directory)))
     existing = complete_steps(directory)

@@ -77,3 +77,44 @@ class StopSignals:
 def requested(stop) -> bool:
     """Whether `stop` (a StopSignals, or None) has received a signal."""
     return stop is not None and stop.signal is not None
+
+
+class AgreedStop:
+    """Whether the run stops after a step, decided alike in every process of a run.
+
+    One process (`peers` None) stops on its own signal. In a run of several, the first
+    process decides for all, once per step: on its own signal or on one another process
+    told it of (each tells its first); the others wait for its word, so every process stops
+    after the same step, with the same save, and none is left waiting in a step the others
+    never start. The word costs one message of the coordination service a step.
+    """
+
+    def __init__(self, stop, peers):
+        self.stop, self.peers = stop, peers
+        self._told = False
+
+    def decide(self, key: str, last: bool, pending) -> tuple[int | None, int | None]:
+        """(the signal the run stops on after step `key`, else None; then, `pending()`: the
+        step of the save under way, as the first process sees it, else None). `last`: the
+        step was the run's last, which no signal stops."""
+        if self.peers is None:
+            signum = self.stop.signal if requested(self.stop) and not last else None
+            return signum, (pending() if signum else None)
+        if not self.peers.main:
+            if requested(self.stop) and not self._told:
+                self.peers.tell("stop-request", str(self.stop.signal))
+                self._told = True
+            word = self.peers.word(f"stop/{key}", 0)
+        else:
+            signum = self.stop.signal if requested(self.stop) else None
+            if signum is None:
+                requests = self.peers.said("stop-request")
+                signum = int(requests[min(requests)]) if requests else None
+            stopping = signum is not None and not last
+            saving = pending() if stopping else None
+            word = f"{signum} {'' if saving is None else saving}" if stopping else "go"
+            self.peers.tell(f"stop/{key}", word)
+        if word == "go":
+            return None, None
+        signum, saving = word.split(" ")
+        return int(signum), (int(saving) if saving else None)

@@ -24,6 +24,7 @@ import time
 from typing import Callable, Iterable, Iterator
 
 import jax
+import jax.numpy as jnp
 
 from megatrain_jax.stream.placement import Placement, from_parts, part_names, parts
 from megatrain_jax.stream.programs import Programs
@@ -79,14 +80,14 @@ class Schedule:
             tracer.visit("forward", i)
             if i in saving:  # what its backward needs stays on the device: no input saved
                 saved.append(None)
-                xs, kept[i] = run.layer_saving(w, xs, batch)
+                xs, kept[i] = run.layer_saving(w, xs, batch, *self.index(i))
             else:
                 saved.append(offloads.add(tracer.issued("d2h", f"input {i}", place.to_host(xs)))
                              if place.input_on_host(i) else xs)
                 if i in keeping:
                     xs, kept[i] = run.layer_keeping(w, xs, batch)
                 else:
-                    xs = run.layer_forward(w, xs, batch)
+                    xs = run.layer_forward(w, xs, batch, *self.index(i))
             computing.add(tracer.issued("compute", f"forward {i}", xs))
             if i in weighing:
                 fetched[i] = w
@@ -121,7 +122,8 @@ class Schedule:
             if i in saving:
                 dxs, dw, sq = run.layer_backward_saved(kept[i], dxs, sq)
             else:
-                dxs, dw, sq = run.layer_backward(w, x_in, dxs, batch, sq, kept[i])
+                dxs, dw, sq = run.layer_backward(w, x_in, dxs, batch, sq, kept[i],
+                                                 *self.index(i))
             kept[i] = None
             tracer.issued("compute", f"backward {i}", sq)  # dxs is donated to the next call
             if place.is_resident(i + 1):
@@ -148,7 +150,12 @@ class Schedule:
         for i, w in enumerate(_prefetched(rest, place.to_device, self.depth)):
             if i == len(rest) - 1:
                 return run.head_eval(w, embed, xs, batch, denom)
-            xs = run.layer_forward(w, xs, batch)
+            xs = run.layer_forward(w, xs, batch, *self.index(i))
+
+    def index(self, i: int) -> tuple:
+        """The layer programs' extra argument: (layer i's index,) for templates that take it
+        (Templates.layer_index), else nothing."""
+        return (jnp.asarray(i, jnp.int32),) if self.programs.layer_index else ()
 
 
 def _prefetched(items: Iterable, fetch: Callable, depth: int,

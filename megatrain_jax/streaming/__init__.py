@@ -20,9 +20,10 @@ Every way in takes `mesh=make_mesh(n)` (or n) to run data parallel over n device
 """
 
 from megatrain_jax.stream.mesh import make_mesh
+from megatrain_jax.streaming.contract import LossContract
+from megatrain_jax.streaming.errors import TemplateError
 from megatrain_jax.streaming.functions import (
     StreamingStep,
-    TemplateError,
     build_engine,
     check_layers,
     check_no_captured_arrays,
@@ -31,7 +32,9 @@ from megatrain_jax.streaming.functions import (
 from megatrain_jax.streaming.layout import Layout, ModelStep
 from megatrain_jax.streaming.linen_models import from_linen, from_linen_model
 from megatrain_jax.streaming.nnx_models import from_nnx, from_nnx_model, refuse_non_params
+from megatrain_jax.streaming.randomness import rng_key
 
-__all__ = ["Layout", "ModelStep", "StreamingStep", "TemplateError", "build_engine",
-           "check_layers", "check_no_captured_arrays", "from_functions", "from_linen",
-           "from_linen_model", "from_nnx", "from_nnx_model", "make_mesh", "refuse_non_params"]
+__all__ = ["Layout", "LossContract", "ModelStep", "StreamingStep", "TemplateError",
+           "build_engine", "check_layers", "check_no_captured_arrays", "from_functions",
+           "from_linen", "from_linen_model", "from_nnx", "from_nnx_model", "make_mesh",
+           "refuse_non_params", "rng_key"]

@@ -157,10 +157,8 @@ def params_view(optimizer, params: dict, entry: str):
     split = lambda prefix: [p for p in paths if p[:len(prefix)] == prefix]  # noqa: E731
     part_paths = {"embed": split(("embed",)), "head": split(("head",)),
                   "layers": [split(("layers", i)) for i in range(len(params["layers"]))]}
-    structure = {"embed": jax.tree.structure(params["embed"]),
-                 "layer": jax.tree.structure(params["layers"][0]),
-                 "head": jax.tree.structure(params["head"])}
-    view = model_view(params, paths, part_paths, structure, stacked=False)
+    example = {"embed": params["embed"], "layer": params["layers"][0], "head": params["head"]}
+    view = model_view(params, paths, part_paths, example, stacked=False)
     shapes = [(a.shape, a.dtype) for a in jax.tree.leaves(params)]
     names = [".".join(map(str, p)) for p in paths]
     return viewed(optimizer, probe(optimizer, [view], shapes, names, clip_fix(entry)))
@@ -231,7 +229,7 @@ def template_checks(embed: Callable, layer: Callable, head_loss: Callable, examp
     head = head_loss if tied else _untied(head_loss)
 
     def check(batch: dict) -> None:
-        row = counted_row(batch, contract)
+        row = counted_row(batch, contract)  # one whose loss counts (its mask is not all 0)
         x = jax.eval_shape(embed, example["embed"], row)
         check_no_captured_arrays(embed, example["embed"], row, name="embed function")
         check_no_captured_arrays(layer, example["layer"], x, row, *index, name="layer")

@@ -262,9 +262,8 @@ def model_optimizer(optimizer, forms: list, tree, layout: Layout, entry: str):
     if not isinstance(optimizer, optax.GradientTransformation):
         return optimizer
     paths = key_paths(tree)
-    structure = {k: jax.tree.structure(v) for k, v in layout.example(tree).items()}
-    views = [model_view(form, paths, layout.part_paths(tree), structure, layout.stacked)
-             for form in forms]
+    views = [model_view(form, paths, layout.part_paths(tree), layout.example(tree),
+                        layout.stacked) for form in forms]
     shapes = [(np.shape(a), a.dtype) for a in jax.tree.leaves(tree)]
     names = [path_str(p) for p in paths]
     return viewed(optimizer, probe(optimizer, views, shapes, names, clip_fix(entry)))

@@ -62,13 +62,14 @@ class ModelView:
     layers: tuple
     head: tuple
     stacked: bool
+    signatures: dict  # {"embed", "layer", "head"}: what tells the kinds of part apart
+    raw: bool = False  # the kinds look alike: each part goes to the optimizer as it is
 
     def kind(self, part) -> str:
-        structure = jax.tree.structure(part)
-        kinds = [k for k, treedef in self.parts.items() if treedef == structure]
+        kinds = [k for k, sig in self.signatures.items() if sig == signature(part)]
         if len(kinds) != 1:
-            raise TemplateError(f"a part of structure {structure} matches {kinds or 'none'} "
-                                "of the model's embed, layer and head")
+            raise TemplateError(f"a part of structure {jax.tree.structure(part)} matches "
+                                f"{kinds or 'none'} of the model's embed, layer and head")
         return kinds[0]
 
     def indices(self, kind: str) -> tuple:
@@ -117,35 +118,48 @@ class ModelView:
         return leaves
 
 
-def model_view(form_tree, whole_paths: list[tuple], part_paths: dict, parts: dict,
+def signature(part) -> tuple:
+    """A part's structure, shapes and dtypes: how the wrapper tells which part it is given."""
+    return (jax.tree.structure(part),
+            tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(part)))
+
+
+def model_view(form_tree, whole_paths: list[tuple], part_paths: dict, example: dict,
                stacked: bool) -> ModelView | None:
     """The view of one form of the model's tree, or None when its leaves do not line up
     with `whole_paths` (the model's leaf paths as plain keys). `part_paths`: {"embed",
-    "head": [whole path of each leaf], "layers": [[...] per layer]}; `parts`: the engine's
-    parts' structures."""
+    "head": [whole path of each leaf], "layers": [[...] per layer]}; `example`: one part of
+    each kind, {"embed", "layer", "head"}. When two kinds have one signature (an embed and
+    a head alike, say), the view is `raw`: the parts go to the optimizer as they are."""
     form_paths = key_paths(form_tree)  # a Variable node adds a key at the end: `.value`
     if len(form_paths) != len(whole_paths) or any(
             f[:len(w)] != w or len(f) > len(w) + 1 for f, w in zip(form_paths, whole_paths)):
         return None
     where = {path: i for i, path in enumerate(whole_paths)}
     index = lambda paths: tuple(where[p] for p in paths)  # noqa: E731
-    return ModelView(jax.tree.structure(form_tree), parts, index(part_paths["embed"]),
-                     tuple(index(p) for p in part_paths["layers"]), index(part_paths["head"]),
-                     stacked)
+    signatures = {k: signature(v) for k, v in example.items()}
+    return ModelView(jax.tree.structure(form_tree),
+                     {k: jax.tree.structure(v) for k, v in example.items()},
+                     index(part_paths["embed"]), tuple(index(p) for p in part_paths["layers"]),
+                     index(part_paths["head"]), stacked, signatures,
+                     raw=len(set(signatures.values())) < len(signatures))
 
 
-def viewed(optimizer: optax.GradientTransformation, view: ModelView):
-    """`optimizer` applied to each part inside the model's tree (module docstring)."""
+def viewed(optimizer: optax.GradientTransformation, view: ModelView, kind: str | None = None):
+    """`optimizer` applied to each part inside the model's tree (module docstring): the part
+    of `kind`, or of the kind its signature tells; as it is for a `raw` view."""
+    if view.raw:
+        return optimizer
+    kind_of = (lambda part: kind) if kind else view.kind
 
     def init(params):
-        kind = view.kind(params)
-        return optimizer.init(view.to_view(kind, params))
+        return optimizer.init(view.to_view(kind_of(params), params))
 
     def update(updates, state, params=None):
-        kind = view.kind(updates)
-        whole = None if params is None else view.to_view(kind, params)
-        new, state = optimizer.update(view.to_view(kind, updates), state, whole)
-        return view.from_view(kind, new), state
+        part = kind_of(updates)
+        whole = None if params is None else view.to_view(part, params)
+        new, state = optimizer.update(view.to_view(part, updates), state, whole)
+        return view.from_view(part, new), state
 
     return optax.GradientTransformation(init, update)
 
@@ -185,10 +199,13 @@ def probe(optimizer: optax.GradientTransformation, views: list, shapes: list,
 def _compare(optimizer, view: ModelView, leaves: list, state, names: list, fix: str) -> None:
     """Three steps of the whole and of each part (compiled: one program per kind of part),
     their updates compared part by part."""
-    tx, rng = viewed(optimizer, view), np.random.default_rng(1)
-    whole_update, part_update = jax.jit(optimizer.update), jax.jit(tx.update)
+    rng, whole_update = np.random.default_rng(1), jax.jit(optimizer.update)
     flat = _in_order(view.cut(leaves))
-    states = [jax.jit(tx.init)(p) for p in flat]
+    kinds = ["embed"] + ["layer"] * (len(flat) - 2) + ["head"]
+    txs = {k: viewed(optimizer, view, k) for k in set(kinds)}  # told the kind: miniature
+    init, update = ({k: jax.jit(getattr(tx, f)) for k, tx in txs.items()}  # parts may look
+                    for f in ("init", "update"))                           # alike
+    states = [init[k](p) for k, p in zip(kinds, flat)]
     for scales in PROBE_SCALES:
         grads = [jax.tree.map(lambda a, s=scales[k % 3]: (rng.normal(size=a.shape) * s)
                               .astype(a.dtype), p) for k, p in enumerate(flat)]
@@ -198,7 +215,7 @@ def _compare(optimizer, view: ModelView, leaves: list, state, names: list, fix: 
         updates = [np.asarray(u) for u in jax.tree.leaves(updates)]
         expected = _in_order(view.cut(updates))
         for k, (p, g) in enumerate(zip(flat, grads)):
-            got, states[k] = part_update(g, states[k], p)
+            got, states[k] = update[kinds[k]](g, states[k], p)
             _same(got, expected[k], k, len(flat), view, names, fix)
         leaves = [a + u for a, u in zip(leaves, updates)]
         flat = _in_order(view.cut(leaves))

@@ -10,6 +10,13 @@ through the device (see `megatrain_jax.stream`). The ways in, from the most gene
                      by nn.scan; from_linen(embed, embed_params, layer, ...): loose modules
     layout.py        a model's parameter tree <-> the per-layer store; ModelStep, which gives
                      trained weights back in the model's layout (`params_to`, `export`)
+    pieces.py        a model's pieces, the templates made of them, and their check against
+                     the model's own forward (nnx_pieces.py, nnx_check.py, linen_check.py)
+    contract.py      the loss contract: mask_key, normalizer, reduction
+    optimizer_view.py  the optimizer sees each part in the whole model's tree; the probe
+                     that refuses global transforms (clip_by_global_norm: use clip_norm=)
+    randomness.py    dropout keys: rng_key(seed, step, part, chunk, piece)
+    errors.py        errors that name the entry point and the argument
 
     step = streaming.from_nnx_model(model, summed_loss, optax.adamw(3e-4), clip_norm=1.0)
     state = step.init_state()

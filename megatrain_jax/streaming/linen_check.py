@@ -17,7 +17,7 @@ import numpy as np
 
 from megatrain_jax.stream.placement import Placement
 from megatrain_jax.streaming.layout import Layout, get_path, parse_path
-from megatrain_jax.streaming.pieces import check_against_model, slices
+from megatrain_jax.streaming.pieces import check_against_model, concrete, slices
 
 
 def _no_dropout(next_fun, args, kwargs, context):
@@ -73,8 +73,7 @@ def _recorded(model, variables, wanted: dict, inputs, key):
     def record(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
         name = wanted.get((tuple(context.module.path), context.method_name))
-        if name and name not in calls and args and not any(
-                isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((args[0], out))):
+        if name and name not in calls and args and concrete(args[0], out):
             calls[name] = (args[0], out)
         return out
 

@@ -17,7 +17,7 @@ from flax import nnx
 from megatrain_jax.stream.placement import Placement
 from megatrain_jax.streaming.layout import Layout, get_path, path_str
 from megatrain_jax.streaming.nnx_pieces import nnx_pieces, pure_params, resolve
-from megatrain_jax.streaming.pieces import check_against_model, slices
+from megatrain_jax.streaming.pieces import check_against_model, concrete, slices
 
 
 def _eval_view(model):
@@ -82,7 +82,7 @@ def _recorded(model, wanted: dict, inputs):
         def call(self, *args, **kwargs):
             out = original(self, *args, **kwargs)
             _, name = wanted.get((id(self), method), (None, None))
-            if name and name not in calls and args and _concrete(args[0], out):
+            if name and name not in calls and args and concrete(args[0], out):
                 calls[name] = (args[0], out)
             return out
         return call
@@ -98,7 +98,3 @@ def _recorded(model, wanted: dict, inputs):
             else:
                 setattr(cls, method, own)
     return outputs, calls
-
-
-def _concrete(*values) -> bool:
-    return not any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(values))

@@ -76,6 +76,15 @@ def tied(head_pieces: list) -> bool:
     return any(piece.part == "embed" for piece in head_pieces)
 
 
+def concrete(*values) -> bool:
+    """Whether every array in `values` has a value (not a tracer of a transform)."""
+    try:
+        jax.tree.map(np.asarray, values)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return False
+    return True
+
+
 def _tolerance(a) -> float:
     return 1e-4 if np.dtype(a.dtype).itemsize >= 4 else 3e-2
 

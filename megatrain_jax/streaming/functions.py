@@ -32,7 +32,6 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -235,25 +234,26 @@ def template_checks(embed: Callable, layer: Callable, head_loss: Callable, examp
         check_no_captured_arrays(layer, example["layer"], x, row, *index, name="layer")
         check_no_captured_arrays(head, example["head"], example["embed"], x, row,
                                  name="head loss")
-        head_p, embed_p, x1 = (_random_like(t) for t in (example["head"], example["embed"], x))
 
         @jax.jit
-        def once_and_twice(head_p, embed_p, x1, row, rows):  # one program for both
-            return head(head_p, embed_p, x1, row), head(head_p, embed_p,
-                                                        jnp.concatenate([x1, x1]), rows)
+        def once_and_twice(row, rows):  # one program; random weights made on the device
+            head_p, embed_p, x1 = (_random_like(t, seed) for seed, t in
+                                   enumerate((example["head"], example["embed"], x)))
+            return (head(head_p, embed_p, x1, row),
+                    head(head_p, embed_p, jnp.concatenate([x1, x1]), rows))
 
-        check_loss(*once_and_twice(head_p, embed_p, x1, row, doubled(row)), row, contract)
+        check_loss(*once_and_twice(row, doubled(row)), row, contract)
 
     return check
 
 
-def _random_like(tree):
-    """Small random NumPy arrays shaped like `tree` (floats; zeros for other dtypes): made
-    on the host, with nothing to compile."""
-    rng = np.random.default_rng(0)
-    return jax.tree.map(lambda a: (rng.normal(size=a.shape) * 0.5).astype(a.dtype)
-                        if jnp.issubdtype(a.dtype, jnp.floating) else np.zeros(a.shape, a.dtype),
-                        tree)
+def _random_like(tree, seed: int):
+    """Small random arrays shaped like `tree` (floats; zeros for other dtypes)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
+    return jax.tree.unflatten(treedef, [
+        jax.random.normal(k, a.shape, a.dtype) * 0.5 if jnp.issubdtype(a.dtype, jnp.floating)
+        else jnp.zeros(a.shape, a.dtype) for k, a in zip(keys, leaves)])
 
 
 def _untied(head_loss: Callable) -> Callable:

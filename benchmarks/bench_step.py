@@ -1,4 +1,4 @@
-"""Times training steps of a config and prints one JSON object (BENCHMARKS.md's fields).
+"""Times training steps of a config and prints one JSON object (benchmarks/README.md).
 
     python benchmarks/bench_step.py 7b --steps 6 --warmup 2 [--repeat-batch] [key=value ...]
     python benchmarks/bench_step.py 7b --sweep 4,8,16,32,64     # batch sizes, one model
@@ -37,13 +37,14 @@ from common import emit, still_falling  # noqa: E402
 from common import tokens_per_s as steps_tokens_per_s  # noqa: E402
 
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
+from megatrain_jax.config.memory import plan_of  # noqa: E402
 from megatrain_jax.tools import plan  # noqa: E402  (no JAX yet: the pool is sized first)
 from megatrain_jax.tools.roofline import (  # noqa: E402
     Rates,
     at_optimizer_rate,
     bound_for,
+    bound_of,
     host_params,
-    placed,
     update_bytes,
 )
 
@@ -69,6 +70,7 @@ def main() -> None:
     sizes = [int(b) for b in args.sweep.split(",") if b] or [cfg.data.batch_size]
     cfg = load_config(args.config, [*args.overrides, f"data.batch_size={max(sizes)}"])
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    cfg = plan.resolved(cfg)  # the placement, as `megatrain-jax train` decides it
     plan.set_pool_env(cfg, measuring=not args.no_roofline)
 
     import jax
@@ -86,6 +88,7 @@ def main() -> None:
     results = []
     for size in sizes:
         run_cfg = load_config(args.config, [*args.overrides, f"data.batch_size={size}"])
+        run_cfg = dataclasses.replace(trainer.cfg, data=run_cfg.data)  # placed as it runs
         state, result = run(run_cfg, trainer, state, args)
         result["init_s"] = init_seconds
         result["host_rss_start_gib"] = rss_start / 2**30
@@ -190,7 +193,6 @@ def run(cfg, trainer, state, args):
         # (median), else a 64M-parameter sample's. The bound at the better of the two rates
         # is reported beside it (`step_s_best_rate`), so a faster sample shows.
         # The host updates every part but the resident layers (updated on the GPU meanwhile).
-        cfg = placed(cfg, engine.placement)  # stream.resident_embeddings as it ran
         on_host = host_params(cfg)
         in_step = [on_host / ph["update"] / 1e9 for ph in phases]
         roofline = measure(cfg, engine, state, data.batch_at(0),
@@ -200,12 +202,12 @@ def run(cfg, trainer, state, args):
             max(roofline["optimizer_gparams"], roofline["optimizer_sample_gparams"]),
             max(roofline["host_memory_kernel_gbps"], roofline["host_memory_shared_gbps"]),
             update_bytes(cfg))
-        kept = roofline["kept_layers"]
-        roofline["step_s_best_rate"] = bound_for(cfg, best, kept)["step_s"]
+        n = engine.placement.devices
+        roofline["step_s_best_rate"] = bound_for(cfg, best, n)["step_s"]
         # The bound without the host memory's traffic, comparable with bounds that lack it.
         roofline["step_s_no_host_memory"] = bound_for(
             cfg, dataclasses.replace(Rates.from_result(roofline), host_memory_gbps=0.0),
-            kept)["step_s"]
+            n)["step_s"]
         roofline["ratio_no_host_memory"] = step_s / roofline["step_s_no_host_memory"]
         roofline["ratio"] = step_s / roofline["step_s"]
         roofline["ratio_best_rate"] = step_s / roofline["step_s_best_rate"]
@@ -239,6 +241,10 @@ def run(cfg, trainer, state, args):
         "layers_keeping_attention": engine.schedule.keep_attention if engine is not None else None,
         "layers_keeping_weights": engine.schedule.keep_weights if engine is not None else None,
         "resident_embeddings": engine.placement.resident_embeddings if engine else None,
+        # The placement the planner chose (or the pins), and what it predicted at the rates
+        # of this GPU's preset: a step that clips and one that does not.
+        "placement": dataclasses.asdict(plan_of(cfg)) if engine is not None else None,
+        "predicted": predicted(cfg) if engine is not None else None,
         "losses": losses, "grad_norms": norms,
         "speculated_parts": [g for g, _ in guesses], "rolled_back_parts": [r for _, r in guesses],
         "update": "host" if getattr(engine, "host_optimizer", None) else "device",
@@ -251,6 +257,17 @@ def run(cfg, trainer, state, args):
         "config_values": to_dict(cfg),
     }
     return state, result
+
+
+def predicted(cfg) -> dict:
+    """The planner's prediction of cfg's step at the rates of this machine's preset."""
+    rates, n = plan.machine_rates(cfg), plan.planned_devices(cfg)
+    placement = plan_of(cfg)
+    clipping = bound_of(cfg, placement, rates, n)["step_s"]
+    guessing = bound_for(cfg, rates, n)["step_s"]
+    tokens = cfg.data.tokens_per_step
+    return {"clipping_s": clipping, "guessing_s": guessing,
+            "tokens_per_s_clipping": tokens / clipping, "tokens_per_s_guessing": tokens / guessing}
 
 
 if __name__ == "__main__":

@@ -1,16 +1,15 @@
 """One GPU session's benchmarks: named presets of runs, each a subprocess with a timeout.
 
-    python benchmarks/suite.py standard                  # link rates, 3b and 7b at 16 x 1024
-    python benchmarks/suite.py standard peers --skip 'peer_fsdp2_*' --budget 570
+    python benchmarks/suite.py speed                     # RESULTS.md's first table
+    python benchmarks/suite.py standard --budget 570     # link rates, 3b and 7b at 16 x 1024
     python benchmarks/suite.py runs "3b:--steps 6 --warmup 2 --phases 2" \\
         "k32=7b:--steps 6 --warmup 2 --repeat-batch --phases 2 stream.resident_layers=32"
     python benchmarks/suite.py compare --tree old=build/old_tree --tree new=.
-    python benchmarks/suite.py resident --list           # what would run, and how
+    python benchmarks/suite.py mesh --list               # what would run, and how
 
-Each ITEM is a preset (PRESETS below: standard, compare, sweep, peers, long, resident,
-deepspeed, probe, cli, reliability, mesh, dev; `runs` has none of its own) or a run spec
-`[NAME=]CONFIG:ARGS` for bench_step.py. `--only`/`--skip` pick runs by name (shell
-patterns). With `--tree [LABEL=]DIR` (repeatable), every bench_step run is made once per
+Each ITEM is a preset (PRESETS below: one per table of benchmarks/RESULTS.md, and tools) or
+a run spec `[NAME=]CONFIG:ARGS` for bench_step.py. `--only`/`--skip` pick runs by name
+(shell patterns). With `--tree [LABEL=]DIR` (repeatable), every bench_step run is made once per
 tree, interleaved so that drift in the machine hits every tree alike, with DIR's own
 bench_step.py and `PYTHONPATH=DIR`: rows are labelled by tree and their tokens/s compared.
 Other runs (link rates, peers, the CLI) use this checkout. A preset may take longer than one
@@ -71,47 +70,89 @@ def peer(kind: str, shape: str, args: str = "", timeout: int = 400) -> Run:
                                         *shlex.split(args)), timeout)
 
 
-# BENCHMARKS.md's workload: 2 warm-up steps, the median of 6; 2 synced steps split the time.
-# 7b trains on one repeated batch, so its loss must fall to ~0 (a check of the update).
+# The standard workload (benchmarks/README.md): 2 warm-up steps, the median of 6; 2 synced
+# steps split the time. 7b trains on one repeated batch, so its loss must fall to ~0.
 STANDARD = "--steps 6 --warmup 2 --phases 2"
+# Steps that update during their backward: one repeated batch, whose first five steps clip,
+# and a warm-up past them (benchmarks/RESULTS.md, "How these were measured").
+GUESSING = "--steps 6 --warmup 8 --repeat-batch --no-roofline"
 CLI_RUN = "loop.checkpoint_every=2 loop.log_every=1 loop.run_dir={out}/run_1b"
 TRANSFER = Run("transfer", ("benchmarks/bench_transfer.py", "--gib", "4"), 150)
+LONG = "--steps 1 --warmup 1 --no-roofline data.batch_size=1"
 
+
+def fsdp2(gpus: int) -> Run:
+    """PyTorch FSDP2 with CPU offload on `gpus` ranks, 7b at 16 x 1024 tokens a rank."""
+    return Run(f"peer_fsdp2_7b_{gpus}gpu", ("-m", "torch.distributed.run", "--standalone",
+                                            f"--nproc_per_node={gpus}",
+                                            "benchmarks/peers/fsdp2_offload.py", "7b",
+                                            "--steps", "3", "--warmup", "1"), 420)
+
+
+def long_run(name: str, tokens: int, extra: str = "") -> Run:
+    return step(name, "7b", f"{LONG} data.seq_len={tokens} model.max_seq_len={tokens} {extra}",
+                timeout=590)
+
+
+# RESULTS.md's tables, one preset each: speed, capacity, long, mesh, bound (reliability has
+# its soak). A preset may need more than one device call: --only picks runs.
 PRESETS: dict[str, list[Run]] = {
+    # Speed against peers, one GPU: 7b by the defaults and at under 16 GiB, 7b on random
+    # tokens (every step clips), 3b; PyTorch resident at 7b, DeepSpeed ZeRO-3 offload at 3b
+    # (its wheels carried: peers/deepspeed_wheels.sh; its CPU Adam compiles first, ~40 s).
+    "speed": [step("7b_defaults", "7b", GUESSING),
+              step("7b_keep3", "7b", "--steps 4 --warmup 8 --repeat-batch --phases 2 "
+                   "stream.keep_weights=3"),
+              step("7b_clipping", "7b", "--steps 6 --warmup 2 --no-roofline "
+                   "stream.keep_weights=3"),
+              step("3b_defaults", "3b", GUESSING),
+              peer("resident", "7b", "--steps 6 --warmup 2"),
+              peer("deepspeed", "3b", "--steps 6 --warmup 2", timeout=540)],
+    # Memory and capacity: host bytes per parameter by gradient and moment dtype; 14b with
+    # int8 moments; 30b needs a 503 GiB host (--only 30b on the four-GPU machine).
+    "capacity": [step("7b_fp32_grads", "7b", "--steps 6 --warmup 2 --repeat-batch "
+                      "--no-roofline stream.grad_dtype=float32"),
+                 step("7b_bf16_moments", "7b", "--steps 3 --warmup 2 --no-roofline "
+                      "optim.state_dtype=bfloat16"),
+                 step("7b_int8", "7b", "--steps 3 --warmup 2 --no-roofline "
+                      "optim.state_dtype=int8"),
+                 step("14b_int8", "14b", "--steps 3 --warmup 1 --repeat-batch --no-roofline "
+                      "optim.state_dtype=int8", timeout=500),
+                 step("30b", "30b", "--steps 4 --warmup 3 --repeat-batch --no-roofline "
+                      "mesh.data=1", timeout=590)],
+    # Long context, batch 1: a step takes about 40 s at 131072 tokens and 3 minutes at
+    # 262144; a whole 7b step at 524288 about 12 minutes, past a call's 10, so two layers of
+    # its width stand in.
+    "long": [long_run("7b_seq131072", 131072),
+             long_run("7b_seq131072_recompute", 131072, "stream.keep_attention=off"),
+             long_run("7b_seq262144", 262144),
+             long_run("7b_2_layers_seq524288", 524288, "model.layers=2")],
+    # Several GPUs: 7b at 16 x 1024 tokens a GPU on one, two and four; FSDP2 on four.
+    "mesh": [step("7b_1gpu", "7b", f"{GUESSING} mesh.data=1"),
+             step("7b_2gpu", "7b", f"{GUESSING} mesh.data=2 data.batch_size=32"),
+             step("7b_4gpu", "7b", f"{GUESSING} mesh.data=4 data.batch_size=64"),
+             fsdp2(4)],
+    # Scaling of the bound: the bound's terms measured in the process; tokens a step from 4k
+    # to 64k on one initialized model (one synced step each); 64 x 1024 with the last 21
+    # layers keeping their matmuls' outputs.
+    "bound": [TRANSFER,
+              step("7b_bound", "7b", "--steps 4 --warmup 8 --repeat-batch --phases 2 "
+                   "stream.keep_weights=3"),
+              step("7b_sweep", "7b", "--steps 3 --warmup 2 --phases 1 --sweep 4,8,16,32,64",
+                   timeout=590),
+              step("7b_64k_keep21", "7b", "--steps 3 --warmup 8 --repeat-batch --no-roofline "
+                   "data.batch_size=64 data.micro_batches=4 stream.keep_layers=21",
+                   timeout=500)],
+    # Link rates, then 3b and 7b at 16 x 1024 with the bound: a quick look at a machine.
     "standard": [TRANSFER, step("3b_standard", "3b", STANDARD),
                  step("7b_standard", "7b", STANDARD + " --repeat-batch")],
     # Old tree against new on the standard shapes (no link rates: they do not depend on it).
     "compare": [step("3b_standard", "3b", STANDARD),
                 step("7b_standard", "7b", STANDARD + " --repeat-batch")],
-    # Tokens per step on one initialized model; one synced step per size measures its bound.
-    "sweep": [step("7b_sweep", "7b", "--steps 4 --warmup 2 --phases 1 --sweep 4,8,16,32,64",
-                   timeout=590)],
-    # PyTorch on the same GPU. FSDP2 with CPU offload holds about 20.5 host bytes per
-    # parameter: 7b needs about 129 GiB of host, more than one H200 machine's 125.
-    "peers": [peer(kind, shape, "--steps 6 --warmup 2")
-              for kind in ("resident", "fsdp2") for shape in ("3b", "7b")],
-    # DeepSpeed ZeRO-3 offloading weights and optimizer (its wheels carried: see
-    # peers/deepspeed_wheels.sh); about 20 host bytes per parameter, so 7b needs more host
-    # than one H200 machine's 125 GiB. Its CPU Adam op compiles at the first run (~40 s).
-    "deepspeed": [peer("deepspeed", "3b", "--steps 6 --warmup 2", timeout=540)],
-    # Batch 1, long sequences: a step takes about 50 s at 131072 tokens and 3 minutes at
-    # 262144 (one of each fits a device call); all 32 layers at 524288 take about 12 minutes
-    # a step, past a call's 10, so two layers of the width stand in (RESULTS.md, 2026-11-25).
-    "long": [step("7b_seq131072", "7b", "--steps 2 --warmup 1 --no-roofline data.batch_size=1 "
-                  "data.seq_len=131072 model.max_seq_len=131072", timeout=590),
-             step("7b_seq262144", "7b", "--steps 1 --warmup 1 --no-roofline data.batch_size=1 "
-                  "data.seq_len=262144 model.max_seq_len=262144", timeout=590),
-             step("7b_2_layers_seq524288", "7b", "--steps 2 --warmup 1 --no-roofline "
-                  "data.batch_size=1 data.seq_len=524288 model.max_seq_len=524288 "
-                  "model.layers=2", timeout=590)],
-    # The first K layers kept on the GPU (K=0 is standard's 7b); 3b with every layer.
-    "resident": [*(step(f"7b_k{k}", "7b", f"{STANDARD} --repeat-batch stream.resident_layers={k}")
-                   for k in (8, 16, 32)),
-                 step("3b_k26", "3b", f"{STANDARD} stream.resident_layers=26")],
     # Where a step waits: the host update alone and beside the weight stream, and one
     # step's per-layer timeline (read it with benchmarks/timeline_summary.py).
     "probe": [Run("host_update", ("benchmarks/bench_host_update.py",), 240),
-              *(step(f"{s}_timeline", s, f"--steps 4 --warmup 2 --phases 1 "
+              *(step(f"{s}_timeline", s, f"--steps 4 --warmup 8 --repeat-batch --phases 1 "
                      f"--timeline {{out}}/{s}.timeline") for s in ("7b", "3b"))],
     # The command line on the GPU: train with checkpoints, resume, report.
     "cli": [cli("cli_train_1b", f"train 1b loop.steps=4 {CLI_RUN}"),
@@ -128,16 +169,6 @@ PRESETS: dict[str, list[Run]] = {
                     cli("ckpt_3b", "train 3b optim.state_dtype=int8 loop.steps=9 "
                         "loop.checkpoint_every=3 loop.keep_checkpoints=1 loop.log_every=1 "
                         "loop.progress=plain loop.run_dir={out}/run_3b", timeout=300)],
-    # Several GPUs: 7b at 16 x 1024 tokens per GPU on one and two, FSDP2 with CPU offload at
-    # the same world sizes.
-    "mesh": [*(Run(f"peer_fsdp2_7b_{n}gpu", ("-m", "torch.distributed.run", "--standalone",
-                                             f"--nproc_per_node={n}",
-                                             "benchmarks/peers/fsdp2_offload.py", "7b",
-                                             "--steps", "3", "--warmup", "1"), 420)
-               for n in (2, 1)),
-             step("7b_1gpu", "7b", f"{STANDARD} --repeat-batch --no-roofline mesh.data=1"),
-             step("7b_2gpu", "7b", f"{STANDARD} --repeat-batch --no-roofline mesh.data=2 "
-                  "data.batch_size=32")],
     "runs": [],
     # The suite itself, on a CPU: tiny config, the resident peer on the CPU.
     "dev": [step("tiny", "tiny", "--steps 2 --warmup 1 --phases 1", timeout=300),

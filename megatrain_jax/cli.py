@@ -22,19 +22,18 @@ from pathlib import Path
 from megatrain_jax.config import (
     ConfigError,
     load_config,
-    load_run_config,
     memory,
     shipped_configs,
 )
-from megatrain_jax.config.memory_lines import describe
+from megatrain_jax.config.memory_lines import describe, placement_lines
 from megatrain_jax.io.checkpoint import CheckpointError
-from megatrain_jax.tools import distributed, roofline
+from megatrain_jax.tools import distributed, presets, roofline
 from megatrain_jax.tools import plan as planner
 
 EPILOG = """\
 CONFIG is a shipped config name (see `megatrain-jax configs`) or a .json/.gin file.
 Overrides are section.key=value, e.g. model.layers=4 optim.lr=1e-4 loop.trainer=reference.
-Sections: model, optim, schedule, data, stream, mesh, loop (see README.md for every key).
+Sections: model, optim, schedule, data, stream, mesh, loop (docs/config.md lists every key).
 """
 
 
@@ -62,6 +61,7 @@ def cmd_train(args) -> int:
     if processes is not None:
         distributed.check_config(cfg)
     planner.check_fits(cfg)
+    cfg = planner.resolved(cfg)  # the placement, decided once: the engine takes its numbers
     if cfg.loop.trainer == "stream":
         planner.set_pool_env(cfg)
     if processes is not None:
@@ -69,7 +69,7 @@ def cmd_train(args) -> int:
         cfg = distributed.process_config(cfg)
     import jax
 
-    from megatrain_jax.train import TrainingStopped, train  # starts JAX
+    from megatrain_jax.train import RunInterrupted, StopSignals, TrainingStopped, train
 
     def started(step: int) -> None:
         m = cfg.model
@@ -77,112 +77,170 @@ def cmd_train(args) -> int:
               f"{cfg.data.tokens_per_step:,} tokens/step, trainer={cfg.loop.trainer}, "
               f"device={jax.local_devices()[0].device_kind}, run_dir={cfg.loop.run_dir}"
               + (f", resuming at step {step}" if step else ""), file=sys.stderr)
+        if cfg.loop.trainer == "stream":
+            print(f"megatrain-jax: placement: {planner.placement_summary(cfg)}",
+                  file=sys.stderr)
 
+    saves = cfg.loop.stop_save and cfg.loop.checkpoint_every > 0
     try:
-        summary = train(cfg, on_start=started)
+        with StopSignals(saves) as stop:
+            summary = train(cfg, on_start=started, stop=stop)
     except TrainingStopped as e:
         print(f"megatrain-jax: {e}", file=sys.stderr)
         return 4
-    summary.pop("state")
+    except RunInterrupted as e:
+        print(f"megatrain-jax: {e}", file=sys.stderr)
+        return e.status
+    if summary.pop("finished_before", False):
+        print(f"megatrain-jax: {cfg.loop.run_dir} is finished: its checkpoint {summary['steps']} "
+              f"is its last step (loop.steps={cfg.loop.steps}); nothing to do. Raise loop.steps "
+              "to train on.", file=sys.stderr)
+    summary.pop("state", None)
     print(json.dumps(summary))
     return 0
 
 
 def cmd_plan(args) -> int:
-    cfg = load_config(args.config, args.overrides)
-    target = args.host_gb is not None or args.gpu_gb is not None  # another machine's sizes
+    given = load_config(args.config, args.overrides)
     host = planner.host_memory_available() if args.host_gb is None else int(args.host_gb * GiB)
     total_gpu = planner.gpu_memory_bytes() if args.gpu_gb is None else int(args.gpu_gb * GiB)
     gpu = planner.usable_gpu_bytes(total_gpu)
-    est = planner.estimate(cfg, gpu)
+    rates, measured, source = _plan_rates(args, given)
+    est = planner.estimate(given, gpu, host, rates)
+    cfg = est["config"]  # placed: every placement key settled
     print(f"{cfg.model.num_params / 1e9:.2f}B parameters, {cfg.model.layers} layers, "
           f"{cfg.data.tokens_per_step:,} tokens per step, trainer={cfg.loop.trainer}")
+    _print_memory(cfg, est, gpu, host)
+    if cfg.loop.trainer == "stream":
+        _print_placement(given, cfg, est, gpu, rates, source, measured)
+    _print_fit(given, est, host, gpu, total_gpu, args)
+    if args.budgets:
+        _print_budgets(given, host, total_gpu, rates, args.budgets)
+    if (args.host_gb is not None or args.gpu_gb is not None) and est["refused"]:
+        print(f"megatrain-jax: plan: does not fit: {_plan_verdict(given, host, gpu)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_memory(cfg, est: dict, gpu: int | None, host: int | None) -> None:
+    """`plan`'s host and device components, the pinned pool and the host bytes a parameter."""
     for where in ("host", "device"):
         print(f"{where}:" if where == "host" or est["devices"] == 1 else
               f"device (each of {est['devices']} GPUs, mesh.data):")
         for name, n in est[where].items():
-            print(f"  {name:22s}{_gib(n)}")
+            if n or name in ("master_weights", "saved_inputs"):
+                print(f"  {name:22s}{_gib(n)}")
         print(f"  {'total':22s}{_gib(est[where + '_total'])}")
     if cfg.loop.trainer == "stream":
-        cap = planner.pool_limit_gib(cfg, planner.pinned_bytes(cfg))
+        cap = planner.pool_limit_gib(cfg, est["pool_state"])
         print(f"  pinned host pool      {_gib(planner.pinned_pool_bytes(cfg))}  (holds the host "
               f"state above; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={cap} a GPU, set by `train`)")
-        modes = planner.host_bytes_per_param(cfg, gpu)
+        modes = planner.host_bytes_per_param(cfg, gpu, host)
         if len(modes) > 1:
             print("host bytes per parameter by optim.state_dtype (with these gradients and "
                   "the runtime): " + ", ".join(f"{k} {v:.1f}" for k, v in modes.items()))
-    print("\n".join(describe(cfg, gpu, est["devices"]) + planner.traffic_lines(cfg, gpu)))
+    print("\n".join(describe(cfg, est["devices"]) + planner.traffic_lines(cfg)))
+
+
+def _print_placement(given, cfg, est: dict, gpu, rates, source: str, measured) -> None:
+    """The placement table, the predicted step at these rates and what bounds it."""
+    budget = planner.gpu_budget(given, gpu)
+    room = "unknown: nothing placed on the GPU" if budget is None else \
+        f"{budget / GiB:.1f} GiB a GPU (stream.gpu_budget_gb={given.stream.gpu_budget_gb:g})"
+    print(f"placement (GPU budget {room}):")
+    print("\n".join(placement_lines(cfg, given)))
+    n = est["devices"]
+    b = roofline.bound_for(cfg, rates, n)
+    clipping = roofline.bound_of(cfg, memory.plan_of(cfg), rates, n)
+    tokens = cfg.data.tokens_per_step
+    print(f"rates ({source}): H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, "
+          f"optimizer {rates.optimizer_gparams:.2f} G params/s, host memory "
+          f"{rates.host_memory_gbps:.0f} GB/s, layer forward+backward "
+          f"{(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms")
+    print(f"step bound: {b['step_s']:.3f} s ({tokens / b['step_s']:,.0f} tokens/s) where steps "
+          f"do not clip, {clipping['step_s']:.3f} s ({tokens / clipping['step_s']:,.0f} "
+          f"tokens/s) where they clip; the largest cost: "
+          f"{clipping['limited_by'].replace('_', ' ')}")
+    plan = memory.plan_of(cfg)
+    compute_from = roofline.compute_bound_tokens(
+        cfg.model, rates, tokens, plan.resident_layers, plan.resident_embeddings,
+        plan.unfetched(cfg.model.layers), plan.saving_layers)
+    print(f"compute-bound from about {compute_from:,} tokens per step (now {tokens:,})")
+    expected = roofline.expected_step(b["step_s"], measured, tokens)
+    if expected:
+        print(expected)
+
+
+def _print_fit(given, est: dict, host, gpu, total_gpu, args) -> None:
+    """Whether the run fits, its checkpoints' disk, the largest shipped shape that fits."""
+    target = args.host_gb is not None or args.gpu_gb is not None
     where = "the machine of --host-gb/--gpu-gb" if target else "this machine"
     for name, have, need in (("host", host, est["host_total"]),
                              ("GPU", gpu, est["device_total"])):
         if have is None:
             print(f"{name} memory: unknown here")
-        else:
-            verdict = "fits" if need <= have else "does NOT fit"
-            usable = f" of {_gib(total_gpu).strip()} (XLA's share)" if name == "GPU" else ""
-            print(f"{name} memory: {_gib(have).strip()}{usable} -> {verdict}")
-    disk = planner.checkpoint_disk(cfg)
-    if not cfg.loop.checkpoint_every:
+            continue
+        verdict = "does NOT fit" if est["refused"] else "fits"
+        usable = f" of {_gib(total_gpu).strip()} (XLA's share)" if name == "GPU" else ""
+        print(f"{name} memory: {_gib(have).strip()}{usable}, {_gib(need).strip()} needed -> "
+              f"{verdict}")
+    disk = planner.checkpoint_disk(est["config"])
+    if not given.loop.checkpoint_every:
         print(f"checkpoints: off (loop.checkpoint_every=0); each would take "
               f"{_gib(disk['each']).strip()}")
     else:
         verdict = "fits" if disk["needed"] <= disk["free"] else "does NOT fit"
         print(f"checkpoints: {_gib(disk['each']).strip()} each; loop.keep_checkpoints="
-              f"{cfg.loop.keep_checkpoints} needs {_gib(disk['needed']).strip()} free in "
+              f"{given.loop.keep_checkpoints} needs {_gib(disk['needed']).strip()} free in "
               f"{disk['folder']} (a new one is complete before the oldest goes): "
               f"{_gib(disk['free']).strip()} free -> {verdict}")
-    best = planner.largest_fitting(cfg, host, gpu)
+    best = planner.largest_fitting(given, host, gpu)
     if best is None:
-        print(f"largest shipped shape that fits {where}: none")
+        print(f"largest shipped shape that fits {where} (host and GPU together): none")
     else:
         name, fitting = best
-        e = planner.estimate(fitting, gpu)
-        host_need, gpu_need = _gib(e["host_total"]).strip(), _gib(e["device_total"]).strip()
-        print(f"largest shipped shape that fits {where}: {name} "
-              f"({fitting.model.num_params / 1e9:.2f}B params; host {host_need}, GPU {gpu_need} "
-              "at these settings)")
-    verdict = _plan_verdict(cfg, host, gpu) if target else None
-    rates, measured = _plan_rates(args, cfg)
-    if rates is None:
-        print("compute-bound from: needs measured rates; add --measure on the training machine "
-              "(or --rates a bench_step.py JSON)")
-    else:
-        kept = memory.unfetched_layers(cfg, gpu, est["devices"])
-        run = memory.resolved(cfg, gpu, est["devices"])  # auto settled as `train` settles it
-        b = roofline.bound_for(run, rates, kept)
-        tokens = roofline.compute_bound_tokens(cfg.model, rates, cfg.data.tokens_per_step,
-                                               cfg.stream.resident_layers,
-                                               run.stream.resident_embeddings == "on", kept)
-        host_rate = (f"{rates.host_memory_gbps:.0f} GB/s (the update loses "
-                     f"{rates.update_loss_h2d:.0%} of its rate beside a copy in, "
-                     f"{rates.update_loss_d2h:.0%} beside one out)"
-                     if rates.host_memory_gbps else "unmeasured")
-        print(f"rates: H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, optimizer "
-              f"{rates.optimizer_gparams:.2f} G params/s, host memory {host_rate}, layer "
-              f"forward+backward {(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms")
-        print(f"step bound at these settings: {b['step_s']:.3f} s "
-              f"({cfg.data.tokens_per_step / b['step_s']:,.0f} tokens/s; the largest cost: "
-              f"{b['limited_by'].replace('_', ' ')})")
-        share, guessing = roofline.best_speculate_share(run, rates, kept)
-        if share and roofline.can_guess(cfg):
-            if cfg.stream.speculate != "off":
-                print(f"of which the update during the backward: {share:g} of it, in steps "
-                      "that do not clip (stream.speculate)")
-            else:
-                print(f"steps that do not clip, with stream.speculate=auto: {guessing:.3f} s")
-        print(f"compute-bound from about {tokens:,} tokens per step "
-              f"(now {cfg.data.tokens_per_step:,})")
-        expected = roofline.expected_step(b["step_s"], measured, cfg.data.tokens_per_step)
-        if expected:
-            print(expected)
-    if verdict:
-        print(f"megatrain-jax: plan: does not fit: {verdict}", file=sys.stderr)
-        return 1
-    return 0
+        e = planner.estimate(fitting, gpu, host)
+        print(f"largest shipped shape that fits {where} (host and GPU together): {name} "
+              f"({fitting.model.num_params / 1e9:.2f}B params; host "
+              f"{_gib(e['host_total']).strip()}, GPU {_gib(e['device_total']).strip()})")
+
+
+def _print_budgets(given, host, total_gpu, rates, budgets: str) -> None:
+    """The placement and predicted tokens/s at each GPU budget of `--budgets`."""
+    print("by GPU budget (stream.gpu_budget_gb), at these rates:")
+    print(f"  {'GiB':>6s}  {'resident':>8s}  {'saving':>6s}  {'kept w.':>7s}  "
+          f"{'inputs on host':>14s}  {'tokens/s (no clip / clip)':>26s}")
+    usable = planner.usable_gpu_bytes(total_gpu)
+    for budget in _budget_list(budgets):
+        cfg = memory.replaced(given, "stream", gpu_budget_gb=budget)
+        est = planner.estimate(cfg, usable if usable is not None else int(budget * GiB), host,
+                               rates)
+        if est["refused"]:
+            print(f"  {budget:6g}  does not fit")
+            continue
+        run, n = est["config"], est["devices"]
+        plan, tokens = memory.plan_of(run), run.data.tokens_per_step
+        guess = roofline.bound_for(run, rates, n)["step_s"]
+        clip = roofline.bound_of(run, plan, rates, n)["step_s"]
+        print(f"  {budget:6g}  {plan.resident_layers:8d}  {plan.saving_layers:6d}  "
+              f"{plan.weight_layers:7d}  {plan.host_inputs:14d}  "
+              f"{tokens / guess:>12,.0f} / {tokens / clip:<11,.0f}")
+
+
+def _budget_list(text: str) -> list[float]:
+    try:
+        budgets = [float(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        budgets = []
+    if not budgets or min(budgets) <= 0:
+        raise ConfigError(f"--budgets {text}: expected GPU budgets in GiB, comma-separated "
+                          "(e.g. 24,48,80,141).")
+    return budgets
 
 
 def _plan_verdict(cfg, host: int | None, gpu: int | None) -> str | None:
-    """Why the run does not fit `host` and `gpu` bytes (with the changes that would), or None."""
+    """Why no placement fits `host` and `gpu` bytes (with the changes that would), or None."""
     try:
         planner.check_fits(cfg, host, gpu)
     except ConfigError as e:
@@ -191,8 +249,8 @@ def _plan_verdict(cfg, host: int | None, gpu: int | None) -> str | None:
 
 
 def _plan_rates(args, cfg):
-    """(roofline rates at cfg's tokens per step, the measured run they come from or None):
-    from a benchmark JSON, measured here, or (None, None)."""
+    """(roofline rates at cfg's tokens per step, the measured run they come from or None, where
+    they come from): a benchmark JSON, measured here, or the preset of this machine's GPU."""
     if args.rates:
         try:
             result = json.loads(Path(args.rates).read_text())
@@ -207,20 +265,26 @@ def _plan_rates(args, cfg):
                 f"--rates {args.rates} was measured on a model of another width "
                 f"({', '.join(f'{k} {shape.get(k)}' for k in width)}); its layer times do "
                 "not carry over: measure this width (any depth) with bench_step.py.")
-        return roofline.scaled(rates, cfg.data.tokens_per_step / measured_tokens), result
+        rates = roofline.scaled(rates, cfg.data.tokens_per_step / measured_tokens)
+        return rates, result, f"from {args.rates}"
     if not args.measure:
-        return None, None
+        machine = presets.preset_for(planner.gpu_name())
+        return (machine.rates(cfg, planner.planned_devices(cfg)), None,
+                f"preset {machine.name}, {machine.source}; --measure measures them here")
     planner.set_pool_env(cfg, measuring=True)
     from megatrain_jax.tools.measure import measure_rates  # starts JAX
 
-    return measure_rates(cfg), None
+    return measure_rates(cfg), None, "measured here"
 
 
 def cmd_export(args) -> int:
-    planner.set_pool_env(load_run_config(args.run_dir))  # the state is restored to the host
+    from megatrain_jax.io.run_folder import run_config
+
+    planner.set_pool_env(run_config(args.run_dir, args.step)[0])  # restored to the host
     from megatrain_jax.train import export_run  # starts JAX
 
-    out = export_run(args.run_dir, args.out_dir, args.step, args.dtype, args.progress)
+    out = export_run(args.run_dir, args.out_dir, args.step, args.dtype, args.progress,
+                     note=lambda text: print(f"megatrain-jax: {text}", file=sys.stderr))
     print(f"wrote {out} (load it with transformers' AutoModelForCausalLM.from_pretrained)")
     return 0
 
@@ -228,7 +292,7 @@ def cmd_export(args) -> int:
 def cmd_prepare(args) -> int:
     from megatrain_jax.io.prepare import prepare
 
-    meta = prepare(args.inputs, args.out, args.tokenizer, args.progress)
+    meta = prepare(args.inputs, args.out, args.tokenizer, args.progress, args.errors)
     print(f"wrote {args.out}: {meta['kind']} data, {meta['documents']:,} documents, "
           f"{meta['tokens']:,} tokens ({meta['trained_tokens']:,} trained on), vocabulary "
           f"{meta['vocab_size']:,}; train with data.source={args.out}")
@@ -266,8 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, text in (
         ("train", cmd_train, "train a model (the streaming engine unless loop.trainer=reference)"),
-        ("plan", cmd_plan, "show the host and GPU memory a config needs, the largest shipped "
-         "shape that fits, and (measured) where the step turns compute-bound"),
+        ("plan", cmd_plan, "show where a config's state and activations go on this machine "
+         "(one GPU budget, stream.gpu_budget_gb, shared by the planner), the host and GPU "
+         "memory it needs, the predicted step and what bounds it, and the largest shipped "
+         "shape that fits host and GPU together"),
     ):
         p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -294,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "fits, 1 (and the reason) when it does not")
             p.add_argument("--gpu-gb", type=float, default=None, metavar="M",
                            help="plan for a GPU with M GiB of memory instead of this one's")
+            p.add_argument("--budgets", default=None, metavar="B1,B2,...",
+                           help="also the placement and predicted tokens/s at each of these "
+                           "GPU budgets in GiB (stream.gpu_budget_gb), e.g. 24,48,80,141")
         p.set_defaults(fn=fn)
     p = sub.add_parser("report", help="plot a run's metrics and timeline (PNG) and summarize",
                        description="Writes loss.png, speed.png, memory.png and timeline.png "
@@ -309,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="bytes",
                    help="'bytes' (ids 0..255), a tokenizer.json, or a folder holding one "
                    "(a Hugging Face model folder)")
+    p.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                   help="bytes that are not UTF-8: 'strict' refuses the file naming the byte, "
+                   "'replace' reads them as U+FFFD")
     p.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto")
     p.set_defaults(fn=cmd_prepare)
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder",

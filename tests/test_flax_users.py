@@ -119,6 +119,20 @@ def test_nnx_tied_head_dropout_and_masks_train_like_jax_grad(gpt_run):
     assert "lm_head" not in trained and "wte" in trained["embed"]  # one matrix, tied
 
 
+def test_layers_keeping_their_residuals_draw_the_same_dropout_masks(gpt_run):
+    """The last layer keeps its matmuls' outputs (keep_layers) and the one before it its
+    fetched weights (keep_weights): the saving forward takes the layer's index too, so the
+    steps' losses and gradient norms are the reference's."""
+    step = gpt.build(gpt.GPT(nnx.Rngs(0)), gpt_run["batches"][0], CLIP, keep_layers=1,
+                     keep_weights=1)
+    state, history = step.init_state(), []
+    for batch in gpt_run["batches"][:3]:
+        state, metrics = step.train_step(state, batch)
+        history.append([float(metrics["loss"]), float(metrics["grad_norm"])])
+    reference = [[h["loss"], h["grad_norm"]] for h in gpt_run["ref_history"][:3]]
+    np.testing.assert_allclose(history, reference, rtol=1e-5)
+
+
 def test_resume_keeps_the_key_schedule(gpt_run, tmp_path):
     """Five steps, a checkpoint, a restored state at step 5, five more: the ten steps'
     weights, dropout masks included (the keys follow StreamState.step)."""

@@ -1,5 +1,6 @@
 """Hugging Face import/export against `transformers` itself, one tiny random model per family."""
 
+import dataclasses
 import json
 import re
 
@@ -140,8 +141,9 @@ def test_stream_training_from_hf_then_cli_export(tmp_path, capsys):
     assert np.max(np.abs(hf_logits(out) - ours)) <= 1e-4
     # loop.export_dir wrote the same final weights when training ended.
     assert np.max(np.abs(hf_logits(tmp_path / "final") - ours)) <= 1e-4
+    assert train(cfg)["finished_before"]  # the same command again: nothing left to do
     with pytest.raises(ConfigError, match="loop.export_dir .* already exists"):
-        train(cfg)
+        train(dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, steps=3)))
 
 
 def test_mismatched_or_unsupported_checkpoints_name_what_differs(tmp_path):

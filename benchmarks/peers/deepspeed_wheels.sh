@@ -7,7 +7,7 @@
 # DeepSpeed is published as a source distribution only: it is built here into a pure-Python
 # wheel with no compiled ops (DS_BUILD_OPS=0, against .venv's CPU torch); its CPU Adam op is
 # JIT-compiled on the GPU machine at first use (g++ and ninja there). Beside it, the wheels of
-# its requirements that the GPU image lacks (KINDS.md's list): hjson and pydantic with
+# its requirements that the GPU machines' image lacks: hjson and pydantic with
 # pydantic-core (cp312 manylinux x86_64), annotated-types and typing-inspection. Versions
 # are pinned to ask no more than typing-extensions 4.12.2 of the image. Then, on the GPU
 # machine, a call that carries .whl starts with

@@ -243,4 +243,8 @@ def load_run_config(run_dir: str | Path) -> Config:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    """Writes `cfg` as JSON, whole or not at all (a killed process leaves the old file)."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    partial.replace(path)

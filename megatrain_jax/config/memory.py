@@ -1,38 +1,82 @@
-"""GPU memory of a streamed step, without JAX: the weights and gradients in flight, the saved
-layer inputs, one layer's working set, how the inputs split between GPU and host when GPU
-memory runs short (`stream.saved_inputs=auto`), how many layers keep their attention's
-output for the backward in the room left (`stream.keep_attention=auto`), whether the
-embedding and the head live on the GPU in the room left after that
-(`stream.resident_embeddings=auto`), and how many layers keep the weights their forward
-fetched, in the room left last (`stream.keep_weights=auto`).
+"""GPU memory of a streamed step, without JAX: the bytes each choice of placement holds on
+each GPU (the weights and gradients in flight, one layer's working set, resident layers and
+embeddings, saved activations and inputs, kept attention and weights), and the host state.
 
-    acts = activations(cfg)                 # choices and bytes at cfg's batch and sequence
-    device, host_saved = step_bytes(cfg, devices=1, gpu=141 * GiB)
-    host_layers = saved_on_host(cfg, gpu, devices=1)   # what the trainer places for auto
-    keeping = keep_attention_layers(cfg, gpu, devices=1)  # the last layers that keep it
-    on_gpu = embeddings_resident(cfg, gpu, devices=1)     # the embedding and head's home
-    weights = keep_weights_layers(cfg, gpu, devices=1)    # layers whose weights stay fetched
-    cfg = resolved(cfg, gpu, devices=1)     # auto settled as the trainer settles it
+    acts = activations(cfg)                          # choices and bytes at cfg's batch shape
+    plan = PlacementPlan(resident_layers=20, weight_layers=3)
+    device = device_bytes(cfg, plan, devices=1)      # {component: bytes} on each GPU
+    host = host_state_bytes(cfg, plan, devices=1)    # {component: bytes} pinned on the host
 
-Here, below the trainers, so that the trainer resolves `auto` by the same arithmetic as the
-planner (tools/plan.py, which adds the host's side). The attention path and the MLP tile
-follow config/auto.py, the rules the model itself runs by.
+Which placement a run takes is the planner's decision (tools/planner.py), made once from
+these bytes and the step's bound. Here, below the trainers and the planner, so that both
+count the same bytes. The attention path and the MLP tile follow config/auto.py, the rules
+the model itself runs by.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from megatrain_jax.config import auto
-from megatrain_jax.config.schema import MOMENT_BLOCK, Config, layers_fetched_twice
+from megatrain_jax.config.schema import MOMENT_BLOCK, Config, layer_grad_dtype, pinned
 
 GiB = 2**30
 # Host-held layer inputs on the GPU at once in the backward: the one in use and the next.
 SAVED_IN_FLIGHT = 2
-# GPU memory `auto` leaves free beyond the estimate: the estimate has come out up to 1.4 GiB
-# under the measured peak (7b at 1 x 32768 on the H200).
-SPLIT_HEADROOM = 2 * GiB
+# GPU memory a placement leaves free beyond the estimate (calibrated against the peaks
+# measured on the H200: benchmarks/RESULTS.md, "Placement").
+HEADROOM = 2 * GiB
 OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementPlan:
+    """Where a run's state and activations live, layer by layer (tools/planner.py decides).
+
+    Layers in order: the first `resident_layers` keep their weights and optimizer state on
+    the GPU and update there; the last `saving_layers` save their activations in the forward
+    and recompute none in the backward (stream.keep_layers); the `attention_layers` before
+    those keep their attention's output (stream.keep_attention); the `weight_layers`
+    streamed layers before those keep the weights their forward fetched
+    (stream.keep_weights); the first `host_inputs` layers' saved inputs wait on pinned host,
+    the others' on the GPU. With `resident_embeddings` the embedding and the head live and
+    update on the GPU.
+    """
+
+    resident_layers: int = 0
+    resident_embeddings: bool = False
+    saving_layers: int = 0
+    attention_layers: int = 0
+    weight_layers: int = 0
+    host_inputs: int = 0
+
+    def streamed_saving(self, layers: int) -> int:
+        """The saving layers that stream (not resident): their backward fetches no weights."""
+        return self.saving_layers - max(0, self.resident_layers + self.saving_layers - layers)
+
+    def unfetched(self, layers: int) -> int:
+        """Streamed layers whose backward fetches no weights: saving, or keeping them."""
+        return self.weight_layers + self.streamed_saving(layers)
+
+
+def plan_of(cfg: Config) -> PlacementPlan:
+    """The placement a resolved cfg pins (tools/planner.py's `resolve`): every placement key
+    a number, or on/off, device/pinned_host. Refuses a cfg the planner has not resolved."""
+    s, layers = cfg.stream, cfg.model.layers
+    counts = {k: pinned(getattr(s, k)) for k in
+              ("resident_layers", "keep_layers", "keep_attention", "keep_weights")}
+    unresolved = [k for k, v in counts.items() if v is None]
+    unresolved += [k for k in ("resident_embeddings", "saved_inputs") if getattr(s, k) == "auto"]
+    if unresolved:
+        raise ValueError(f"stream.{unresolved[0]}={getattr(s, unresolved[0])} is not resolved: "
+                         "plan the placement first (tools/planner.py: resolve)")
+    saving = counts["keep_layers"]
+    host = {"device": 0, "pinned_host": layers - saving}.get(s.saved_inputs)
+    return PlacementPlan(counts["resident_layers"], s.resident_embeddings == "on", saving,
+                         counts["keep_attention"], counts["keep_weights"],
+                         int(s.saved_inputs) if host is None else host)
 
 
 def optimizer_bytes(cfg: Config) -> float:
@@ -45,25 +89,114 @@ def optimizer_bytes(cfg: Config) -> float:
     return 4.0 * OPT_STATE_FLOATS[cfg.optim.name]
 
 
-def step_bytes(cfg: Config, devices: int, gpu: int | None) -> tuple[dict, int]:
-    """({component: bytes} on each GPU of a streamed step over `devices` GPUs, bytes of saved
-    inputs on the host for all of them). `gpu`: the bytes each GPU has, which
-    `stream.saved_inputs=auto` splits the inputs by (None: unknown, all on the GPU)."""
-    local, device, room = _without_inputs(cfg, devices, gpu)
-    device["saved_inputs"], on_host = saved_bytes(local, room)
-    left = None if room is None else room - device["saved_inputs"]
-    device["kept_attention"] = _keeping(local, devices, left) * kept_per_layer(local)
-    left = None if left is None else left - device["kept_attention"]
-    device["resident_embeddings"] = 0
-    if _resident_embeddings(local, devices, left, device["embedding"]):
-        # Used where they live: the fetched copy of the embedding goes.
-        device["resident_embeddings"] = resident_embedding_bytes(local, devices)
-        left = None if left is None else left + device["embedding"] - device[
-            "resident_embeddings"]
-        device["embedding"] = 0
-    device["kept_weights"] = (_keeping_weights(local, devices, left)
-                              * weights_per_layer(local, devices))
-    return device, on_host * devices  # every GPU's share, in the one host
+def device_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict:
+    """{component: bytes} on each GPU of a streamed step over `devices` GPUs at its peak,
+    under `plan` (whose fields may be arrays: the planner's candidates, one element each).
+
+    Two moments may be the peak: the backward's start, when every saved activation, input
+    and kept tensor is held, and its end, when these are gone and the resident layers hold
+    their gradients (they update after the backward). So the resident layers' gradients
+    count as far as they outgrow what the backward has let go (`resident_gradients`).
+    Against the peaks measured on the H200 (7b, 3b, 14b; benchmarks/RESULTS.md,
+    "Placement"), this comes out at most about 1.4 GiB under (and up to 4 GiB over with
+    saving layers): HEADROOM covers the rest."""
+    local, n, m = local_config(cfg, devices), devices, cfg.model
+    device = fixed_bytes(cfg, devices, plan)
+    on, layer = plan.resident_embeddings, m.params_per_layer
+    device["embedding"] = (1 - on) * device["embedding"]  # resident: used where it lives
+    state = 4 + optimizer_bytes(cfg)
+    held = {
+        "kept_layers": plan.saving_layers * saved_by_keeping(local),
+        "saved_inputs": inputs_on_gpu(cfg, plan) * saved_per_layer(local),
+        "kept_attention": plan.attention_layers * kept_per_layer(local),
+        "kept_weights": plan.weight_layers * weights_per_layer(cfg, n),
+    }
+    # The kept tensors are made all through the forward: the backward's temporaries need one
+    # more layer's working set free beside them, in one piece.
+    keeping = (plan.attention_layers + plan.weight_layers) > 0
+    gradients = plan.resident_layers * resident_grad_bytes(cfg, devices) * layer // n
+    device.update({
+        "resident_layers": plan.resident_layers * int(state * layer) // n,
+        "resident_embeddings": on * resident_embedding_bytes(cfg, n),
+        **held,
+        "kept_working_set": keeping * device["workspace"],
+        "resident_gradients": _positive(gradients - sum(held.values())),
+    })
+    return device
+
+
+def _positive(x):
+    return x * (x > 0)
+
+
+def whole(x):
+    """Bytes as whole numbers: an int, or an array of them."""
+    return x.astype(np.int64) if isinstance(x, np.ndarray) else int(x)
+
+
+def resident_grad_bytes(cfg: Config, devices: int = 1) -> int:
+    """Bytes a parameter of a resident layer's gradient, held from its backward to the
+    update: bf16 where the layer's gradients are bf16 values (config/auto.py), else fp32."""
+    return 2 if layer_grad_dtype(cfg, devices) == "bfloat16" else 4
+
+
+def inputs_on_gpu(cfg: Config, plan: PlacementPlan) -> int:
+    """Layers' saved inputs on the GPU at the backward's peak: those that wait there, and
+    SAVED_IN_FLIGHT of those that wait on the host, coming back."""
+    saved = inputs_saved(cfg, plan)
+    on_host = np.minimum(plan.host_inputs, saved)
+    return saved - on_host + np.minimum(SAVED_IN_FLIGHT, on_host)
+
+
+def fixed_bytes(cfg: Config, devices: int = 1, plan: PlacementPlan | None = None) -> dict:
+    """Each GPU's bytes of the streaming itself: weights in flight (the part computing and
+    `prefetch_depth` fetched ahead), gradients leaving (two parts'), the fetched embedding,
+    and one micro-batch's layer working set. Over a mesh of n a 1/n shard of every part, the
+    computing part's weights gathered whole, and its gradient whole until scattered. Under
+    `plan` only streamed parts travel: none where every part is resident."""
+    m, s, n = cfg.model, cfg.stream, devices
+    plan = PlacementPlan() if plan is None else plan
+    edge = m.vocab_size * m.hidden * 4
+    layers = m.layers - plan.resident_layers  # streamed layers
+    edges = 1 - plan.resident_embeddings
+    part = np.maximum((layers > 0) * 4 * m.params_per_layer, edges * edge)  # the largest
+    parts = layers + 2 * edges
+    gathered = part if n > 1 else 0
+    return {
+        "weights_in_flight": np.minimum(s.prefetch_depth + 1, parts) * part // n + gathered,
+        "gradients_in_flight": np.minimum(2, parts) * part // n + gathered,
+        "embedding": edge // n,
+        "workspace": activations(local_config(cfg, n))["working_set_total"],
+    }
+
+
+def local_config(cfg: Config, devices: int) -> Config:
+    """cfg with one GPU's rows of the batch (its 1/n where they split)."""
+    rows = cfg.data.batch_size
+    return replaced(cfg, "data", batch_size=rows // devices if rows % devices == 0 else rows)
+
+
+def host_state_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict:
+    """{component: bytes} of the state pinned on the host under `plan`, for all GPUs: the
+    weights, optimizer state and gradients of the parts that live there, and the saved
+    inputs that wait there."""
+    m = cfg.model
+    layers = (m.layers - plan.resident_layers) * m.params_per_layer
+    edges = (1 - plan.resident_embeddings) * m.embedding_params
+    return {
+        "master_weights": 4 * (layers + edges),
+        "optimizer_state": whole(optimizer_bytes(cfg) * (layers + edges)),
+        "gradients": resident_grad_bytes(cfg, devices) * layers + 4 * edges,
+        "saved_inputs": np.minimum(plan.host_inputs, inputs_saved(cfg, plan))
+        * saved_per_layer(cfg),
+    }
+
+
+def resident_part_params(cfg: Config) -> int:
+    """Parameters of the largest part a resolved cfg keeps in GPU memory (0: none)."""
+    plan, m = plan_of(cfg), cfg.model
+    return max(m.params_per_layer if plan.resident_layers else 0,
+               m.embedding_params if plan.resident_embeddings else 0)
 
 
 def resident_embedding_bytes(cfg: Config, devices: int = 1) -> int:
@@ -78,98 +211,9 @@ def resident_bytes_per_param(cfg: Config) -> float:
     return 4 + optimizer_bytes(cfg) + 4
 
 
-def _resident_embeddings(local: Config, devices: int, room: int | None, fetched: int) -> bool:
-    setting = local.stream.resident_embeddings
-    if setting != "auto":
-        return setting == "on"
-    # The working set the kept attention and weights leave free stays free beside them too.
-    if room is None:
-        return False
-    return room + fetched - activations(local)["working_set_total"] >= resident_embedding_bytes(
-        local, devices)
-
-
-def embeddings_resident(cfg: Config, gpu: int | None, devices: int = 1) -> bool:
-    """Whether the embedding and the head, with their optimizer state, live on the GPU under
-    `stream.resident_embeddings`: `on`, `off`, or `auto` where the GPU's room left after the
-    saved inputs and the kept attention holds them (not where the room is unknown)."""
-    return step_bytes(cfg, devices, gpu)[0]["resident_embeddings"] > 0
-
-
-def resolved(cfg: Config, gpu: int | None, devices: int = 1) -> Config:
-    """cfg with `stream.resident_embeddings` settled to on or off, as the trainer settles it
-    on GPUs of `gpu` bytes (the host's share of the state and its traffic follow it)."""
-    return with_resident_embeddings(cfg, embeddings_resident(cfg, gpu, devices))
-
-
-def with_resident_embeddings(cfg: Config, on: bool) -> Config:
-    """cfg with `stream.resident_embeddings` set to on or off."""
-    return replaced(cfg, "stream", resident_embeddings="on" if on else "off")
-
-
-def keep_weights_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
-    """How many streamed layers, the last ones before the saving layers, keep on the GPU the
-    weights their forward fetched for their backward, which then fetches none, under
-    `stream.keep_weights`: `on` every such layer, `off` none, a number that many, `auto` as
-    many as the GPU room left after the saved inputs and the kept attention holds, less one
-    more layer's working set (none where the room is unknown)."""
-    device, _ = step_bytes(cfg, devices, gpu)
-    return device["kept_weights"] // weights_per_layer(cfg, devices)
-
-
-def unfetched_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
-    """The layers whose backward fetches no weights, taking those its forward kept: the
-    saving layers (stream.keep_layers) and those that keep their weights (keep_weights)."""
-    return keep_weights_layers(cfg, gpu, devices) + cfg.stream.keep_layers
-
-
 def weights_per_layer(cfg: Config, devices: int = 1) -> int:
     """Bytes of one layer's fetched fp32 weights on each GPU (its 1/n shard over n GPUs)."""
     return 4 * cfg.model.params_per_layer // devices
-
-
-def _keeping_weights(local: Config, devices: int, room: int | None) -> int:
-    s, layers = local.stream, layers_fetched_twice(local)
-    if s.keep_weights.isdigit():  # a number of layers (validate keeps it within them)
-        return min(layers, int(s.keep_weights))
-    if s.keep_weights != "auto":
-        return layers if s.keep_weights == "on" else 0
-    if room is None:
-        return 0
-    # The kept weights are fetched all through the forward, as the kept attention is made:
-    # the backward's temporaries need one more layer's working set free beside them.
-    room -= activations(local)["working_set_total"]
-    return max(0, min(layers, room // weights_per_layer(local, devices)))
-
-
-def keep_attention_layers(cfg: Config, gpu: int | None, devices: int = 1) -> int:
-    """How many layers, the last ones before the saving layers (`stream.keep_layers`, which
-    keep more), keep their attention's output and statistics for the backward under
-    `stream.keep_attention`: `on` every such layer, `off` none, `auto` as many as the GPU room
-    left after the saved inputs holds, less one more layer's working set (none where that
-    room is unknown, for rows shorter than auto.KEEP_ATTENTION_FROM, where the attention
-    cannot keep them, or over several GPUs)."""
-    local, device, room = _without_inputs(cfg, devices, gpu)
-    if room is not None:
-        room -= saved_bytes(local, room)[0]
-    return _keeping(local, devices, room)
-
-
-def _keeping(local: Config, devices: int, room: int | None) -> int:
-    s = local.stream.keep_attention
-    layers = max(0, local.model.layers - local.stream.keep_layers)  # saving layers keep more
-    if s != "auto":
-        return layers if s == "on" else 0
-    acts = activations(local)
-    if (room is None or devices > 1 or local.data.seq_len < auto.KEEP_ATTENTION_FROM
-            or acts["attention"] not in auto.KEEPS_ATTENTION):
-        return 0
-    # Beside the kept tensors, one more layer's working set stays free: the backward's
-    # temporaries are one allocation, which the kept tensors, made all through the forward,
-    # can leave no room for in one piece (7b at 1 x 131072 on an 80 GB H100: 14 layers kept
-    # by the room alone ran out of memory in the backward, asking for 19.5 GiB).
-    room -= acts["working_set_total"]
-    return max(0, min(layers, room // kept_per_layer(local)))
 
 
 def kept_per_layer(cfg: Config) -> int:
@@ -177,43 +221,6 @@ def kept_per_layer(cfg: Config) -> int:
     attention output [B, S, H, E] in the compute dtype and an fp32 statistic a row and head."""
     m = cfg.model
     return cfg.data.tokens_per_step * m.heads * (m.dh * act_bytes(cfg) + 4)
-
-
-def saved_on_host(cfg: Config, gpu: int | None, devices: int = 1) -> int:
-    """How many layers' inputs `stream.saved_inputs` puts on pinned host (the first ones) on
-    GPUs of `gpu` bytes each: `auto` keeps as many on the GPU as its room allows."""
-    s = cfg.stream.saved_inputs
-    if s != "auto":
-        return inputs_saved(cfg) if cfg.stream.saved_inputs == "pinned_host" else 0
-    local, _, room = _without_inputs(cfg, devices, gpu)
-    return saved_split(local, room)[1]
-
-
-def _without_inputs(cfg: Config, n: int, gpu: int | None) -> tuple[Config, dict, int | None]:
-    """(cfg with one GPU's rows of the batch, each GPU's bytes but the saved inputs, the room
-    left for those: `gpu` less the rest and SPLIT_HEADROOM, None if `gpu` is)."""
-    m, s = cfg.model, cfg.stream
-    layer = m.params_per_layer
-    # Per GPU of a mesh of n: a 1/n shard of every part and of the rows of the batch; the
-    # computing part's weights gathered whole, and its gradient whole until scattered.
-    rows = cfg.data.batch_size // n if cfg.data.batch_size % n == 0 else cfg.data.batch_size
-    local = replaced(cfg, "data", batch_size=rows)
-    edge = m.vocab_size * m.hidden * 4
-    part = 4 * max(layer, edge)
-    state = resident_bytes_per_param(cfg)
-    device = {
-        # Weights in flight (current + prefetched), gradients leaving, the embedding kept for
-        # the step, saved inputs, and one micro-batch's layer workspace.
-        "weights_in_flight": (s.prefetch_depth + 1) * part // n + (part if n > 1 else 0),
-        "gradients_in_flight": 2 * part // n + (part if n > 1 else 0),
-        "embedding": edge // n,
-        "saved_inputs": 0,
-        "workspace": activations(local)["working_set_total"],
-        "resident_layers": int(state * s.resident_layers * layer) // n,
-        "kept_layers": s.keep_layers * saved_by_keeping(local),
-    }
-    room = None if gpu is None else gpu - sum(device.values()) - SPLIT_HEADROOM
-    return local, device, room
 
 
 def replaced(cfg: Config, section: str, **values) -> Config:
@@ -245,12 +252,6 @@ def saves_cast_weights(cfg: Config) -> bool:
     tokens = cfg.data.tokens_per_step // cfg.data.micro_batches
     return (cfg.model.compute_dtype == "bfloat16"
             and not auto.mlp_tile(cfg.stream.mlp_tile, tokens))
-
-
-def inputs_saved(cfg: Config) -> int:
-    """How many layers save their input for the backward's recompute: all but the last
-    `stream.keep_layers`, which keep their matmuls' outputs instead."""
-    return cfg.model.layers - cfg.stream.keep_layers
 
 
 def saved_per_layer(cfg: Config) -> int:
@@ -300,27 +301,50 @@ def activations(cfg: Config) -> dict:
             "working_set": working, "working_set_total": sum(working.values()) - apart}
 
 
-def saved_split(cfg: Config, room: int | None) -> tuple[int, int]:
-    """(layers whose inputs stay on the GPU, layers whose inputs wait on pinned host), given
-    `room` bytes of GPU memory left for saved inputs (None: unknown, all on the GPU).
-
-    As many on the GPU as fit; when some go to the host, room is kept for SAVED_IN_FLIGHT of
-    them coming back for the backward.
-    """
-    layers, per = inputs_saved(cfg), saved_per_layer(cfg)
-    if room is None or layers * per <= room:
-        return layers, 0
-    on_gpu = max(0, min(layers, (room - SAVED_IN_FLIGHT * per) // per))
-    return on_gpu, layers - on_gpu
+def inputs_saved(cfg: Config, plan: PlacementPlan | None = None) -> int:
+    """How many layers save their input for the backward's recompute: all but the saving
+    layers (`plan`'s, else stream.keep_layers as set), which keep their matmuls' outputs."""
+    saving = plan.saving_layers if plan is not None else cfg.stream.keep_layers
+    return cfg.model.layers - saving
 
 
-def saved_bytes(cfg: Config, room: int | None = None) -> tuple[int, int]:
-    """(GPU bytes, host bytes) of saved inputs under cfg's `stream.saved_inputs`; `auto`
-    splits by `room` bytes left for them (see saved_split)."""
-    layers, per = inputs_saved(cfg), saved_per_layer(cfg)
-    if cfg.stream.saved_inputs == "device":
-        return layers * per, 0
-    if cfg.stream.saved_inputs == "pinned_host":
-        return min(SAVED_IN_FLIGHT, layers) * per, layers * per
-    on_gpu, on_host = saved_split(cfg, room)
-    return (on_gpu + (min(SAVED_IN_FLIGHT, on_host) if on_host else 0)) * per, on_host * per
+
+# Host memory of a streamed run beyond its pinned pool (measured on an H100 machine, 1b and 7b,
+# benchmarks/host_heap.py: 1.7 and 2.2 GiB with the peak's transients): the JAX, CUDA and
+# XLA runtimes, their libraries' mapped files, the trainer's own arrays. A fixed amount.
+RUNTIME = 2.5 * GiB
+# XLA's pinned host allocator (a BFC allocator) keeps one 8-byte chunk handle for every 256
+# bytes of its regions, in the process's heap: 1/32 of the pool (3.2 GiB beside 7b's 103 GiB,
+# measured 3.7 GiB of glibc's large mappings).
+POOL_BOOKKEEPING = 1 / 32
+# Pinned bytes beyond the state: transfers' staging and the allocator's rounding.
+POOL_MARGIN = 2 * GiB
+
+
+def pool_share(cfg: Config, pinned, devices: int):
+    """The bytes of `pinned` bytes of host state that each of n GPUs holds: 1/n where the
+    state's leaves split over them (stream/mesh.py splits a leaf along a dimension n divides,
+    and every weight matrix has the model's width as one; leaves too small to split fit in
+    the margin), else the whole (a replica each)."""
+    return pinned // devices if cfg.model.hidden % devices == 0 else pinned
+
+
+def pool_gib(cfg: Config, pinned, devices: int, extra: int = 0):
+    """Each GPU's pool cap in whole GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) for `pinned` bytes
+    of host state over `devices` GPUs: its share, the margin and `extra`, rounded up; or
+    stream.host_memory_gb where it is set."""
+    if cfg.stream.host_memory_gb:
+        return int(cfg.stream.host_memory_gb * GiB) // GiB + 1
+    return (pool_share(cfg, pinned, devices) + POOL_MARGIN + extra) // GiB + 1
+
+
+def host_overhead(cfg: Config, pinned, devices: int) -> dict:
+    """Host bytes of a run beyond its `pinned` state (all GPUs'): replicas where leaves do not
+    split, the pool's unfilled margin (each GPU's pinned allocator grows its regions up to
+    its cap, and pinned memory is resident once the state fills most of it), the pool
+    allocator's bookkeeping, and the runtimes. Arrays of `pinned` give arrays."""
+    pool = devices * pool_gib(cfg, pinned, devices) * GiB  # one allocator a GPU
+    held = devices * pool_share(cfg, pinned, devices)
+    return {"replicas": held - pinned, "pool_margin": np.maximum(0, pool - held),
+            "pool_bookkeeping": whole(pool * POOL_BOOKKEEPING),
+            "runtime": int(RUNTIME)}

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatrain_jax.config.auto import MAX_POSITION, grad_dtype
+from megatrain_jax.config.auto import grad_dtype
+from megatrain_jax.config.ranges import check_ranges
 
 
 class ConfigError(ValueError):
@@ -130,22 +131,22 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """The streaming engine: how far ahead weights travel, where saved inputs wait, where
-    the update runs, and how many layers stay in GPU memory instead of streaming."""
+    """The streaming engine and where the state lives.
 
+    Placement is one decision (tools/planner.py): within `gpu_budget_gb` of each GPU and the
+    host's memory, the planner chooses which layers' state lives on the GPU, which layers
+    save their activations, keep their fetched weights or their attention, and where saved
+    inputs wait, to make the step's bound shortest (`megatrain-jax plan` shows it). The
+    placement keys below are `auto` by default; a value set pins that choice and the planner
+    places the rest around it.
+    """
+
+    # Each GPU's memory the placement may fill, in GiB; 0: what XLA may allocate on it.
+    gpu_budget_gb: float = 0.0
     prefetch_depth: int = 2
-    # Where each layer's input waits for the backward: device, pinned_host, or auto (on the
-    # GPU as far as its memory allows, the first layers' on pinned host beyond that).
-    saved_inputs: str = "auto"
     loss_chunk: int = 1024  # tokens of the sequence per cross-entropy chunk
     host_memory_gb: float = 0.0  # each GPU's pinned pool; 0: sized from the model
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
-    resident_layers: int = 0  # the first K layers' weights and optimizer state stay on the GPU
-    # The embedding and the head, with their optimizer state, stay on the GPU and update
-    # there: the host and its update lane carry the layers only (7b: 262M parameters, 3 GiB
-    # of GPU memory). auto: where the GPU's room holds them after the saved inputs and the
-    # kept attention (not where the room is unknown), on, off.
-    resident_embeddings: str = "auto"
     # Host update during the backward on the guess that the step will not clip (undone and
     # redone when it does): off, auto (guess when the last step did not clip), on. A guess
     # not started by the backward's end is dropped and done after it (docs/guide.md).
@@ -160,24 +161,24 @@ class StreamConfig:
     grad_dtype: str = "auto"
     mlp_tile: int = 0  # tokens per MLP tile, recomputed in the backward; 0: auto (config/auto.py)
     attention_chunk: int = 0  # tokens per blockwise attention chunk; 0: auto
-    # The last layers' forward keeps its attention's output and softmax statistics on the GPU,
-    # and their backward takes them instead of attending again: on (every layer), off, or
-    # auto (rows of 8192 tokens or more: as many layers as the GPU's room holds after the
-    # saved inputs and one more working set, with the cuDNN or blockwise attention, on one
-    # GPU).
+    # Advanced pins of the placement (auto: the planner's choice).
+    # The first K layers' weights and optimizer state live on the GPU and update there.
+    resident_layers: str = "auto"
+    # The embedding and the head, with their optimizer state, live on the GPU: on, off.
+    resident_embeddings: str = "auto"
+    # The last K layers' forward saves its activations on the GPU; their backward fetches no
+    # weights and recomputes none of their matmuls (one GPU).
+    keep_layers: str = "auto"
+    # The K layers before those keep their attention's output and statistics on the GPU, and
+    # their backward does not attend again (cuDNN or blockwise attention, one GPU): on (every
+    # such layer), off, or a number.
     keep_attention: str = "auto"
-    # The last K layers' forward keeps its matmuls' outputs on the GPU for the backward, which
-    # then fetches no weights for them and recomputes only the cheap rest of the layer, for
-    # GPU memory (`plan` counts it). For steps the GPU's compute paces (long batches); one
-    # GPU (docs/guide.md).
-    keep_layers: int = 0
-    # The last streamed layers before those keep on the GPU the weights their forward fetched,
-    # and their backward takes them instead of fetching them again (4 bytes a parameter less
-    # through the host's memory and the link, for as much GPU memory, 1/N a GPU of a mesh):
-    # auto (as many as the GPU's room holds after the saved inputs and the kept attention,
-    # with one more layer's working set free; none where the room is unknown), on (every
-    # streamed layer), off, or a number of layers (the last ones; for a GPU memory budget).
+    # The K streamed layers before those keep the weights their forward fetched for their
+    # backward (1/N a GPU of a mesh): on (every streamed layer), off, or a number.
     keep_weights: str = "auto"
+    # Where each layer's input waits for the backward: device, pinned_host, or auto (on the
+    # GPU as far as the placement leaves room, the first layers' on pinned host beyond).
+    saved_inputs: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,9 @@ class LoopConfig:
     eval_every: int = 0  # steps between evaluations on the validation split; 0: none
     eval_batches: int = 4  # batches per evaluation (the same ones every time)
     export_dir: str = ""  # a new folder: the final weights as a Hugging Face model; "": none
+    # On SIGTERM or SIGINT the run stops after the step in flight; with stop_save it writes a
+    # checkpoint of that step first (where the run writes checkpoints: loop.checkpoint_every).
+    stop_save: bool = True
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "stream.grad_dtype": ("auto", "float32", "bfloat16"),
     "stream.keep_attention": ("auto", "on", "off"),
     "stream.keep_weights": ("auto", "on", "off"),
+    "stream.resident_layers": ("auto",),
+    "stream.keep_layers": ("auto",),
     "stream.resident_embeddings": ("auto", "on", "off"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),
@@ -245,7 +251,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 # Choices that also take a number of layers instead (given as a whole number, kept as its
 # digits).
-COUNTS = ("stream.keep_weights",)
+COUNTS = ("stream.keep_weights", "stream.keep_attention", "stream.resident_layers",
+          "stream.keep_layers")
+
+
+def pinned(value: str) -> int | None:
+    """A placement key's count of layers where one is set (`3`), None where it is a word."""
+    return int(value) if value.isdigit() else None
 
 
 # Optimizers with an in-place host kernel (megatrain_jax.optim.host_adamw); the others update on
@@ -274,54 +286,45 @@ MOMENT_BLOCK = 256
 
 def layers_fetched_twice(cfg: Config) -> int:
     """The layers whose weights the forward fetches and the backward fetches again, unless
-    they keep them (stream.keep_weights): all but the resident and the saving layers."""
+    they keep them (stream.keep_weights): all but the resident and the saving layers, as
+    far as they are set (a key left to the planner counts none)."""
     s = cfg.stream
-    return max(0, cfg.model.layers - s.keep_layers - s.resident_layers)
+    resident, saving = pinned(s.resident_layers) or 0, pinned(s.keep_layers) or 0
+    return max(0, cfg.model.layers - saving - resident)
 
 
 def validate(cfg: Config) -> Config:
-    """Checks relations between values that types alone cannot."""
+    """Checks every setting's range (ranges.py), then the relations between values that types
+    alone cannot express."""
+    check_ranges(cfg)
     m, d, s = cfg.model, cfg.data, cfg.stream
     fetched_twice = layers_fetched_twice(cfg)
     checks = [
-        (m.hidden > 0 and m.layers > 0 and m.heads > 0 and m.ffn > 0, "model sizes must be > 0"),
-        (m.kv_heads > 0 and m.heads % m.kv_heads == 0,
+        (m.heads % m.kv_heads == 0,
          f"model.heads ({m.heads}) must be a multiple of model.kv_heads ({m.kv_heads})"),
         (m.head_dim > 0 or m.hidden % m.heads == 0,
          f"model.hidden ({m.hidden}) is not divisible by model.heads ({m.heads}); "
          "set model.head_dim"),
         (m.dh % 2 == 0, f"head dim {m.dh} must be even for rotary embeddings"),
-        (m.vocab_size > 0, "model.vocab_size must be > 0"),
-        (d.batch_size > 0 and d.seq_len > 0, "data.batch_size and data.seq_len must be > 0"),
-        (0 < m.max_seq_len <= MAX_POSITION,
-         f"model.max_seq_len ({m.max_seq_len}) must be within [1, {MAX_POSITION}] (rotary "
-         "angles are exact below 2**24 positions)"),
         (d.seq_len <= m.max_seq_len,
          f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"),
-        (d.micro_batches > 0 and d.batch_size % d.micro_batches == 0,
+        (d.batch_size % d.micro_batches == 0,
          f"data.batch_size ({d.batch_size}) must be divisible by data.micro_batches "
          f"({d.micro_batches})"),
-        (0 <= d.val_fraction < 1, "data.val_fraction must be within [0, 1)"),
         (cfg.loop.eval_every == 0 or d.val_fraction > 0,
          "loop.eval_every needs a validation split: set data.val_fraction (e.g. 0.05)"),
-        (cfg.loop.eval_every >= 0 and cfg.loop.eval_batches >= 1,
-         "loop.eval_every must be >= 0 and loop.eval_batches >= 1"),
-        (s.prefetch_depth >= 1, "stream.prefetch_depth must be >= 1"),
-        (0 < s.speculate_share <= 1,
-         f"stream.speculate_share ({s.speculate_share}) must be within (0, 1]; "
-         "stream.speculate=off guesses nothing"),
-        (0 <= s.resident_layers <= m.layers,
+        ((pinned(s.resident_layers) or 0) <= m.layers,
          f"stream.resident_layers ({s.resident_layers}) must be within [0, model.layers = "
          f"{m.layers}]"),
         (not s.keep_weights.isdigit() or int(s.keep_weights) <= fetched_twice,
          f"stream.keep_weights ({s.keep_weights}) exceeds the {fetched_twice} layers "
          "fetched for their backward (model.layers less stream.keep_layers and "
          "stream.resident_layers); `on` keeps every one of them"),
-        (0 <= s.keep_layers <= m.layers,
+        ((pinned(s.keep_layers) or 0) <= m.layers,
          f"stream.keep_layers ({s.keep_layers}) must be within [0, model.layers = {m.layers}]"),
-        (s.loss_chunk > 0, "stream.loss_chunk must be > 0"),
-        (s.mlp_tile >= 0 and s.attention_chunk >= 0,
-         "stream.mlp_tile and stream.attention_chunk must be >= 0 (0: automatic)"),
+        ((pinned(s.keep_attention) or 0) <= m.layers - (pinned(s.keep_layers) or 0),
+         f"stream.keep_attention ({s.keep_attention}) exceeds the layers that do not save "
+         f"their activations (model.layers less stream.keep_layers); `on` keeps every one"),
         (s.update != "host" or cfg.optim.name in HOST_OPTIMIZERS,
          f"stream.update=host has kernels for optim.name {' and '.join(HOST_OPTIMIZERS)}, not "
          f"'{cfg.optim.name}'; use stream.update=device (any Optax transformation) or auto"),
@@ -332,14 +335,12 @@ def validate(cfg: Config) -> Config:
          f"stream.speculate=on undoes wrong guesses exactly, which {cfg.optim.state_dtype} "
          "moments (rounded when stored) do not allow: use stream.speculate=off or auto, or "
          "optim.state_dtype=float32"),
-        (cfg.mesh.data >= 0, "mesh.data must be >= 0 (0: every device)"),
-        (cfg.loop.steps > 0, "loop.steps must be > 0"),
-        (cfg.loop.checkpoint_every >= 0, "loop.checkpoint_every must be >= 0 (0: none)"),
-        (cfg.loop.keep_checkpoints >= 1, "loop.keep_checkpoints must be >= 1"),
-        (cfg.loop.max_skipped_steps >= 1, "loop.max_skipped_steps must be >= 1"),
-        (cfg.optim.lr > 0, "optim.lr must be > 0"),
-        (cfg.optim.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 turns clipping off)"),
-        (0 <= cfg.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio must be within [0, 1]"),
+        (cfg.loop.run_dir.strip() != "", "loop.run_dir must name a folder"),
+        (m.rope_scaling.kind != "llama3" or
+         m.rope_scaling.high_freq_factor > m.rope_scaling.low_freq_factor,
+         f"model.rope_scaling.high_freq_factor ({m.rope_scaling.high_freq_factor}) must be "
+         f"above model.rope_scaling.low_freq_factor ({m.rope_scaling.low_freq_factor}) for "
+         "llama3 scaling"),
     ]
     for ok, message in checks:
         if not ok:

@@ -104,6 +104,7 @@ class Checkpointer:
         self._runner = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="checkpoint-io")
         self._job: Future | None = None
+        self._job_step: int | None = None
         self._written = threading.Event()
         self._written.set()
         Checksum(np.float32).update(np.zeros(8, np.uint8))  # the kernel, loaded (or compiled)
@@ -146,6 +147,12 @@ class Checkpointer:
                             array_files.host_pieces(array)))
         self._written = threading.Event()
         self._job = self._runner.submit(self._save, step, sources, meta, self._written)
+        self._job_step = step
+
+    def saving(self) -> int | None:
+        """The step of the save still under way (not yet verified and visible), else None."""
+        job = self._job
+        return self._job_step if job is not None and not job.done() else None
 
     def wait_written(self) -> None:
         """Returns once the last save has read all it writes from the state's buffers."""

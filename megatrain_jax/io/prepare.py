@@ -11,9 +11,16 @@ What a line of JSONL holds decides the kind of data:
     {"prompt": "...", "response": "..."}              instruction: loss on the response only
     {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}
 
-A plain text file is one text document. Instruction examples get a per-token loss mask
-(1 on the assistant's tokens and the end-of-sequence token). Chat messages are rendered with
-the tokenizer's chat template when it has one (needs jinja2), else as "role: content" lines.
+A plain text file is one text document; a text document ends with the tokenizer's
+end-of-text token (never a chat marker such as `<|im_end|>`). Instruction examples get a
+per-token loss mask (1 on the assistant's tokens and the end-of-sequence token). Chat messages
+are rendered with the tokenizer's chat template when it has one, as transformers'
+`apply_chat_template` renders and tokenizes them (chat_template.py), else as "role: content"
+lines; the progress output says which.
+
+Nothing is read inexactly: a file that is not UTF-8 is refused, naming the byte (or with
+`errors="replace"`, such bytes become U+FFFD), and a record whose fields are not strings is
+refused naming its `file:line` and the field.
 
 The folder (written under a temporary name, renamed when complete):
 
@@ -33,13 +40,19 @@ from pathlib import Path
 import numpy as np
 
 from megatrain_jax.config import ConfigError
+from megatrain_jax.io.chat_template import compile_chat_template, find_chat_template
 from megatrain_jax.io.data import META, ByteTokenizer
 from megatrain_jax.tools.progress import Progress
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                  "cls_token", "mask_token")  # the variables a chat template sees
+# A document's end where the tokenizer's eos_token is a chat marker (instruct tokenizers).
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 class HFTokenizer:
     """A `tokenizer.json` through the `tokenizers` library, with bos/eos and chat template
-    from the `tokenizer_config.json` beside it."""
+    from the `tokenizer_config.json` (and `chat_template.jinja`) beside it."""
 
     def __init__(self, path: str | Path):
         try:
@@ -57,34 +70,90 @@ class HFTokenizer:
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         settings_file = file.with_name("tokenizer_config.json")
         settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
-        self.bos_id = self._id(settings.get("bos_token"))
-        self.eos_id = self._id(settings.get("eos_token"))
-        self.chat_template = settings.get("chat_template")
-        self.special = {k: _token_text(settings.get(k)) for k in ("bos_token", "eos_token")}
+        self.special = {k: _token_text(settings[k]) for k in SPECIAL_TOKENS
+                        if _token_text(settings.get(k)) is not None}
+        self.chat_template, self.template_source = find_chat_template(file.parent, settings)
+        markers = self.chat_template or ""  # tokens a template writes are chat markers
+        bos, eos = self.special.get("bos_token"), self.special.get("eos_token")
+        self.bos_id, self.eos_id = self._id(bos), self._id(eos)
+        self.document_bos_id = None if bos and bos in markers else self.bos_id
+        ends = [eos] if eos and eos not in markers else []
+        ends += [t for t in END_OF_TEXT if t not in markers]
+        self.end_of_text = next((t for t in ends if self._id(t) is not None), None)
+        self.end_of_text_id = self._id(self.end_of_text)
 
-    def _id(self, token) -> int | None:
-        text = _token_text(token)
+    def _id(self, text: str | None) -> int | None:
         return None if text is None else self.tokenizer.token_to_id(text)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """The ids of `text` as one piece, and each token's span of characters in it."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, np.int64), encoding.offsets
+
+    def describe(self) -> str:
+        ending = (f"{self.end_of_text} (id {self.end_of_text_id})" if self.end_of_text else
+                  "nothing (no end-of-text token found)")
+        template = (f"from {self.template_source}" if self.chat_template else
+                    f"{self.template_source}: messages as 'role: content' lines")
+        return (f"prepare: tokenizer {self.name}; chat template {template}; text documents "
+                f"end with {ending}")
 
 
 def _token_text(token):
     return token.get("content") if isinstance(token, dict) else token
 
 
+def _decode(data: bytes, where: str, errors: str, start: int = 0, json_line: bool = False):
+    """`data` as UTF-8; a byte that is not is an error naming its offset in the file (`data`
+    begins at `start`) and, in a line of JSON, the field that holds it, unless `errors` is
+    "replace"."""
+    try:
+        return data.decode("utf-8", errors="replace" if errors == "replace" else "strict")
+    except UnicodeDecodeError as e:
+        field = _undecodable_field(data) if json_line else None
+        what = f"field '{field}' is" if field else "it is"
+        raise ConfigError(f"{where}: {what} not UTF-8 at byte {start + e.start} of the file "
+                          f"({e.reason}); convert it to UTF-8, or pass --errors replace to read "
+                          "such bytes as U+FFFD.") from None
+
+
+def _undecodable_field(line: bytes) -> str | None:
+    """The field of a line of JSON whose string holds a byte that is not UTF-8, where the
+    line parses."""
+    try:
+        record = json.loads(line.decode("utf-8", "surrogateescape"))
+    except ValueError:
+        return None
+
+    def find(value, path: str) -> str | None:
+        if isinstance(value, str):
+            return path if any("\udc80" <= c <= "\udcff" for c in value) else None
+        items = value.items() if isinstance(value, dict) else \
+            enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            found = find(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+            if found:
+                return found
+        return None
+
+    found = find(record, "")
+    return found.lstrip(".") if found else None
+
+
 def load_tokenizer(name: str):
     return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
 
 
-def _documents(files: list[Path]):
-    """Yields (record, bytes read so far) for every document of every input file."""
+def _documents(files: list[Path], errors: str = "strict"):
+    """Yields (record, where, bytes read so far) for every document of every input file."""
     done = 0
     for file in files:
         if file.suffix == ".json":  # one JSON array of records
             try:
-                records = json.loads(file.read_text())
+                records = json.loads(_decode(file.read_bytes(), str(file), errors))
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{file} is not valid JSON: {e}") from e
             if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
@@ -95,18 +164,20 @@ def _documents(files: list[Path]):
         elif file.suffix == ".jsonl":
             with open(file, "rb") as f:
                 for number, line in enumerate(f, 1):
+                    where = f"{file}:{number}"
+                    text = _decode(line, where, errors, done, json_line=True)
                     done += len(line)
-                    if not line.strip():
+                    if not text.strip():
                         continue
                     try:
-                        record = json.loads(line)
+                        record = json.loads(text)
                     except json.JSONDecodeError as e:
                         raise ConfigError(f"{file}:{number} is not valid JSON: {e}") from e
                     if not isinstance(record, dict):
                         raise ConfigError(f"{file}:{number}: expected a JSON object per line.")
-                    yield record, f"{file}:{number}", done
+                    yield record, where, done
         else:
-            text = file.read_text(encoding="utf-8", errors="replace")
+            text = _decode(file.read_bytes(), str(file), errors)
             done += file.stat().st_size
             yield {"text": text}, str(file), done
 
@@ -120,7 +191,28 @@ def _kind(record: dict, where: str) -> str:
                       f"'messages'; it has {sorted(record)}.")
 
 
-def _plain_chat(messages: list[dict]) -> str:
+def _string_fields(record: dict, kind: str, where: str) -> None:
+    """Refuses a record whose text fields are not strings, naming the field."""
+    if kind == "text":
+        fields = {"text": record["text"]}
+    elif "prompt" in record:
+        fields = {"prompt": record["prompt"], "response": record["response"]}
+    else:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ConfigError(f"{where}: field 'messages' must be a list of {{'role', "
+                              "'content'}} objects.")
+        fields = {f"messages[{i}].{key}": m[key] for i, m in enumerate(messages)
+                  for key in ("role", "content")}
+    for name, value in fields.items():
+        if not isinstance(value, str):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise ConfigError(f"{where}: field '{name}' must be a string, not {shown}.")
+
+
+def _plain_chat(messages: list[dict], special: dict) -> str:
     return "".join(f"{m['role']}: {m['content']}\n\n" for m in messages)
 
 
@@ -129,23 +221,19 @@ def _spans(record: dict, tokenizer, where: str) -> list[tuple[str, bool]]:
     if "prompt" in record:
         return [(record["prompt"], False), (record["response"], True)]
     messages = record["messages"]
-    if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-        raise ConfigError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects.")
     render = _plain_chat
     if tokenizer.chat_template:
-        try:
-            import jinja2
-        except ImportError as e:
-            raise ConfigError("the tokenizer has a chat template, which needs jinja2: "
-                              "pip install jinja2") from e
-        template = jinja2.Environment().from_string(tokenizer.chat_template)
-        render = lambda ms: template.render(messages=ms, add_generation_prompt=False,  # noqa: E731
-                                            **tokenizer.special)
+        if getattr(tokenizer, "render", None) is None:
+            tokenizer.render = compile_chat_template(tokenizer.chat_template)
+        render = tokenizer.render
     # Each message's text is what rendering it adds to the conversation before it.
     pieces, before = [], ""
+    special = getattr(tokenizer, "special", {})
     for k, message in enumerate(messages):
-        text = render(messages[:k + 1])
+        try:
+            text = render(messages[:k + 1], special)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
         if not text.startswith(before):
             raise ConfigError(f"{where}: the chat template does not render messages "
                               "incrementally; use prompt/response records.")
@@ -154,38 +242,66 @@ def _spans(record: dict, tokenizer, where: str) -> list[tuple[str, bool]]:
     return pieces
 
 
+def _encode_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of the pieces' text as one (as apply_chat_template tokenizes a conversation),
+    and a mask of the tokens that begin inside a trained piece. A tokenizer without offsets
+    (bytes) encodes piece by piece, which is the same for it."""
+    if not hasattr(tokenizer, "encode_with_offsets"):
+        ids = [tokenizer.encode(text) for text, _ in pieces]
+        mask = [np.full(len(i), trained, np.uint8) for i, (_, trained) in zip(ids, pieces)]
+        return np.concatenate(ids).astype(np.int64), np.concatenate(mask)
+    ids, offsets = tokenizer.encode_with_offsets("".join(text for text, _ in pieces))
+    trained_ends, end = [], 0
+    for text, trained in pieces:
+        trained_ends.append((end, end + len(text), trained))
+        end += len(text)
+    mask = np.asarray([any(lo <= start < hi for lo, hi, t in trained_ends if t)
+                       for start, _ in offsets], np.uint8)
+    return ids, mask
+
+
 def _encode(record: dict, kind: str, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray]:
     """A document's tokens and its loss mask (ones for text)."""
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    bos = getattr(tokenizer, "document_bos_id", tokenizer.bos_id)
+    bos = [bos] if bos is not None else []
     if kind == "text":
-        tokens = np.concatenate([bos, tokenizer.encode(record["text"]), eos]).astype(np.int64)
+        end = getattr(tokenizer, "end_of_text_id", tokenizer.eos_id)
+        end = [end] if end is not None else []
+        tokens = np.concatenate([bos, tokenizer.encode(record["text"]), end]).astype(np.int64)
         return tokens, np.ones(len(tokens), np.uint8)
-    templated = "messages" in record and tokenizer.chat_template
-    pieces = [(np.asarray([] if templated else bos, np.int64), False)]
-    pieces += [(tokenizer.encode(text), trained) for text, trained in _spans(record, tokenizer,
-                                                                           where)]
-    pieces.append((np.asarray(eos, np.int64), True))
-    tokens = np.concatenate([p for p, _ in pieces]).astype(np.int64)
-    mask = np.concatenate([np.full(len(p), trained, np.uint8) for p, trained in pieces])
+    if "messages" in record:  # the template (or the plain lines) as the whole example
+        tokens, mask = _encode_pieces(tokenizer, _spans(record, tokenizer, where))
+        if tokenizer.chat_template:
+            return tokens, mask
+        tokens, mask = [tokens], [mask]
+    else:
+        tokens = [tokenizer.encode(text) for text, _ in _spans(record, tokenizer, where)]
+        mask = [np.zeros(len(tokens[0]), np.uint8), np.ones(len(tokens[1]), np.uint8)]
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    tokens = np.concatenate([bos, *tokens, eos]).astype(np.int64)
+    mask = np.concatenate([np.zeros(len(bos), np.uint8), *mask, np.ones(len(eos), np.uint8)])
     return tokens, mask
 
 
-def _write_tokens(files: list[Path], tok, dtype, folder: Path, progress: str):
+def _write_tokens(files: list[Path], tok, dtype, folder: Path, progress: str,
+                  errors: str = "strict"):
     """Appends every document's tokens and mask to the folder's files; returns (kind,
     document starts, trained tokens). Raises before returning if nothing can be trained."""
     total_bytes = sum(f.stat().st_size for f in files)
     bar = Progress(total_bytes, progress, label="prepare")
+    if hasattr(tok, "describe"):
+        bar.note(tok.describe())
     kind, starts, count, trained = None, [0], 0, 0
     with open(folder / "tokens.bin", "wb") as tokens_file, \
             open(folder / "loss_mask.bin", "wb") as mask_file:
-        for record, where, done in _documents(files):
+        for record, where, done in _documents(files, errors):
             this = _kind(record, where)
             if kind is None:
                 kind = this
             elif this != kind:
                 raise ConfigError(f"{where}: a {this} record among {kind} records; prepare "
                                   "text and instruction data into separate folders.")
+            _string_fields(record, kind, where)
             tokens, mask = _encode(record, kind, tok, where)
             tokens.astype(dtype).tofile(tokens_file)
             mask.tofile(mask_file)
@@ -205,8 +321,9 @@ def _write_tokens(files: list[Path], tok, dtype, folder: Path, progress: str):
 
 
 def prepare(inputs: list[str], out_dir: str | Path, tokenizer: str = "bytes",
-            progress: str = "auto") -> dict:
-    """Tokenizes `inputs` (paths or glob patterns) into `out_dir`; returns its meta.json."""
+            progress: str = "auto", errors: str = "strict") -> dict:
+    """Tokenizes `inputs` (paths or glob patterns) into `out_dir`; returns its meta.json.
+    `errors="replace"` reads bytes that are not UTF-8 as U+FFFD instead of refusing them."""
     files = sorted({Path(p) for pattern in inputs for p in (glob.glob(pattern) or [pattern])})
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
@@ -221,7 +338,7 @@ def prepare(inputs: list[str], out_dir: str | Path, tokenizer: str = "bytes",
     tmp.mkdir(parents=True)
 
     try:
-        kind, starts, trained = _write_tokens(files, tok, dtype, tmp, progress)
+        kind, starts, trained = _write_tokens(files, tok, dtype, tmp, progress, errors)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # no half-written folder is left behind
         raise
@@ -230,7 +347,9 @@ def prepare(inputs: list[str], out_dir: str | Path, tokenizer: str = "bytes",
     meta = {"format": META, "kind": kind, "dtype": np.dtype(dtype).name, "tokens": count,
             "documents": len(starts) - 1, "trained_tokens": trained,
             "vocab_size": tok.vocab_size, "tokenizer": tok.name, "bos_id": tok.bos_id,
-            "eos_id": tok.eos_id, "inputs": [str(f) for f in files]}
+            "eos_id": tok.eos_id, "end_of_text_id": getattr(tok, "end_of_text_id", None),
+            "chat_template": tok.template_source if tok.chat_template else None,
+            "inputs": [str(f) for f in files]}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     tmp.rename(out)
     return meta

@@ -89,6 +89,16 @@ RENEW_EVERY = 500
 
 
 class StreamEngine:
+    """Trains a model whose state lives at home (host memory, or the GPU for resident parts)
+    by streaming it through the device one part at a time.
+
+    It owns the step's compiled programs (programs.py), the placement of every part
+    (placement.py) and the schedule that dispatches them (schedule.py); `train_step` runs
+    one step and starts its update: on a host thread with a `HostAdamW` (updates.py, and
+    during the backward where speculation.py allows), else on the device. It holds no
+    training state: that is the `StreamState` passed in and returned.
+    """
+
     def __init__(self, templates: Templates,
                  optimizer: optax.GradientTransformation | HostAdamW, *,
                  clip_norm: float = 1.0, prefetch_depth: int = 2,

@@ -90,7 +90,7 @@ SAVED_BY_SAVING_LAYERS = jax.checkpoint_policies.dots_with_no_batch_dims_saveabl
 # value by the compiler's contract, not by its fusion choices of the day, and travels in bf16
 # exactly (stream.grad_dtype=auto). Measured at 7b width on an H100 (jax 0.11.2), the
 # gradients are bf16 values either way, and the layer's forward and backward take the same
-# time within 4% (benchmarks/excess_precision.py, benchmarks/RESULTS.md).
+# time within 4% (benchmarks/investigations/excess_precision.py).
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
@@ -101,18 +101,80 @@ def jit(fn: Callable, **kwargs) -> Callable:
 
 def build_programs(templates: Templates, optimizer: optax.GradientTransformation,
                    clip_norm: float, placement: Placement) -> Programs:
-    t = templates
-    # Every layer program passes `index` on when the template takes it (Templates).
-    call_layer = t.layer if t.layer_index else (lambda p, x, mb, index: t.layer(p, x, mb))
+    """The step's programs, jitted: forward, head, backward (recomputing or from what the
+    forward kept), embedding backward with the clip scale, and the update."""
+    forward, keeping, saving = _forward_functions(templates)
+    head, head_eval = _head_functions(templates, placement)
+    gradient = _layer_gradient(templates, placement)
+    backward, backward_saved = _backward_functions(templates, gradient)
+    return Programs(
+        embed_forward=jit(_embed_forward(templates)),
+        layer_forward=jit(forward),
+        layer_keeping=jit(keeping),
+        head=jit(head),
+        head_eval=jit(head_eval),
+        layer_backward=jit(backward, donate_argnums=2),
+        layer_saving=jit(saving),
+        layer_backward_saved=jit(backward_saved, donate_argnums=1),
+        embed_backward=jit(_embed_backward(templates, placement, clip_norm)),
+        update_host=placement.host_jit(_update(optimizer), donate_argnums=(0, 2)),
+        update_device=placement.device_jit(_update(optimizer), donate_argnums=(0, 2)),
+        layer_index=templates.layer_index,
+    )
 
+
+def _embed_forward(t: Templates) -> Callable:
     def embed_forward(embed_params, batch):
         return jax.lax.map(lambda mb: t.embed(embed_params, mb), batch)  # M b S D
+
+    return embed_forward
+
+
+def _layer_call(t: Templates) -> Callable:
+    """The layer as every layer program calls it, (params, x, batch, index): `index` is
+    passed on when the template takes it (Templates.layer_index), else dropped."""
+    if t.layer_index:
+        return t.layer
+    return lambda params, x, batch, index: t.layer(params, x, batch)
+
+
+def _forward_functions(t: Templates) -> tuple[Callable, Callable, Callable]:
+    """A layer's three forwards: plain, keeping (what its backward's recompute takes), and
+    saving (what its backward needs, so that the backward recomputes only the rest)."""
+    call_layer = _layer_call(t)
 
     def layer_forward(params, xs, batch, index=None):
         return jax.lax.map(lambda args: call_layer(params, *args, index), (xs, batch))
 
     def layer_keeping(params, xs, batch):
         return jax.lax.map(lambda args: t.layer_keeping(params, *args), (xs, batch))
+
+    def layer_saving(params, xs, batch, index=None):
+        """The layer's forward that keeps on the device what its backward needs
+        (SAVED_BY_SAVING_LAYERS), so that layer_backward_saved neither fetches the weights
+        nor recomputes the matmuls: (xs, saved)."""
+        layer = jax.checkpoint(call_layer, policy=SAVED_BY_SAVING_LAYERS)  # per micro-batch
+
+        def kept(w):  # the weights the checkpoint keeps: cast as the layer casts them, if it may
+            if t.saving_dtype is None:
+                return w
+            return jax.tree.map(lambda a: a.astype(t.saving_dtype), w)
+
+        def forward(w, xs_):
+            # The micro-batches run last to first, so that the backward, which takes them in
+            # the opposite order, sums their weight gradients first to last in fp32, as
+            # layer_backward's scan does: the same sums, bit for bit. The cast is the same
+            # for every micro-batch: JAX keeps it once, and the fp32 weights not at all.
+            return _flipped(jax.lax.map(lambda args: layer(kept(w), *args, index),
+                                        _flipped((xs_, batch))))
+
+        return jax.vjp(forward, params, xs)
+
+    return layer_forward, layer_keeping, layer_saving
+
+
+def _head_functions(t: Templates, placement: Placement) -> tuple[Callable, Callable]:
+    """The head + loss with its gradients, and its loss alone (evaluation)."""
 
     def head(head_params, embed_params, xs, batch, denom):
         """Loss, dL/dx for every micro-batch, and the head's (and tied embedding's) grads."""
@@ -137,6 +199,28 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
                              (xs, batch))
         return jnp.sum(losses)
 
+    return head, head_eval
+
+
+def _layer_gradient(t: Templates, placement: Placement) -> Callable:
+    def layer_gradient(dw, dxs_in, sq, micro_batches: int):
+        """dL/dx_in, dL/dw split as state is (in the layer's gradient dtype where exact) and
+        the running sum of squares."""
+        dw = placement.constrain(dw)
+        sq = sq + optim.sum_of_squares(dw)
+        exact_in_grad_dtype = t.layer_grad_dtype is not None and micro_batches == 1
+        if exact_in_grad_dtype:  # see Templates
+            dw = jax.tree.map(lambda g: g.astype(t.layer_grad_dtype), dw)
+        return dxs_in, dw, sq
+
+    return layer_gradient
+
+
+def _backward_functions(t: Templates, layer_gradient: Callable) -> tuple[Callable, Callable]:
+    """A layer's backward recomputing from its saved input (taking what a keeping forward
+    kept), and a saving layer's from what its forward saved."""
+    call_layer = _layer_call(t)
+
     def layer_backward(params, xs, dxs, batch, sq, kept=None, index=None):
         """Recomputes the layer from its saved inputs (taking what `kept` holds, when the
         forward was layer_keeping's); returns dL/dx_in, dL/dw and the running sum of squares."""
@@ -153,41 +237,17 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         dw, dxs_in = jax.lax.scan(one, _zeros_like(params), (xs, dxs, batch, kept))
         return layer_gradient(dw, dxs_in, sq, xs.shape[0])
 
-    def layer_saving(params, xs, batch, index=None):
-        """The layer's forward that keeps on the device what its backward needs
-        (SAVED_BY_SAVING_LAYERS), so that layer_backward_saved neither fetches the weights
-        nor recomputes the matmuls: (xs, saved)."""
-        layer = jax.checkpoint(call_layer, policy=SAVED_BY_SAVING_LAYERS)  # per micro-batch
-
-        def kept(w):  # the weights the checkpoint keeps: cast as the layer casts them, if it may
-            if t.saving_dtype is None:
-                return w
-            return jax.tree.map(lambda a: a.astype(t.saving_dtype), w)
-
-        def forward(w, xs_):
-            # The micro-batches run last to first, so that the backward, which takes them in
-            # the opposite order, sums their weight gradients first to last in fp32, as
-            # layer_backward's scan does: the same sums, bit for bit. The cast is the same
-            # for every micro-batch: JAX keeps it once, and the fp32 weights not at all.
-            return _flipped(jax.lax.map(lambda args: layer(kept(w), *args, index),
-                                        _flipped((xs_, batch))))
-
-        return jax.vjp(forward, params, xs)
-
     def layer_backward_saved(saved, dxs, sq):
         dw, dxs_in = saved(dxs)
         return layer_gradient(dw, dxs_in, sq, dxs.shape[0])
 
-    def layer_gradient(dw, dxs_in, sq, micro_batches: int):
-        """dL/dx_in, dL/dw split as state is (in the layer's gradient dtype where exact) and
-        the running sum of squares."""
-        dw = placement.constrain(dw)
-        sq = sq + optim.sum_of_squares(dw)
-        if t.layer_grad_dtype is not None and micro_batches == 1:  # exact: see Templates
-            dw = jax.tree.map(lambda g: g.astype(t.layer_grad_dtype), dw)
-        return dxs_in, dw, sq
+    return layer_backward, layer_backward_saved
 
+
+def _embed_backward(t: Templates, placement: Placement, clip_norm: float) -> Callable:
     def embed_backward(embed_params, batch, dxs, dembed_from_head, sq):
+        """The embedding's gradient, then the step's: sum of squares, skip flag, clip scale."""
+
         def one(acc, args):
             mb, dx = args
             _, vjp = jax.vjp(lambda e: t.embed(e, mb), embed_params)
@@ -199,24 +259,15 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         sq = sq + optim.sum_of_squares(dembed)
         return dembed, sq, ~jnp.isfinite(sq), optim.clip_scale(sq, clip_norm)
 
+    return embed_backward
+
+
+def _update(optimizer: optax.GradientTransformation) -> Callable:
     def update(params, grads, opt_state, scale, skip):
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         return optim.apply_update(optimizer, params, grads, opt_state, scale, skip)
 
-    return Programs(
-        embed_forward=jit(embed_forward),
-        layer_forward=jit(layer_forward),
-        layer_keeping=jit(layer_keeping),
-        head=jit(head),
-        head_eval=jit(head_eval),
-        layer_backward=jit(layer_backward, donate_argnums=2),
-        layer_saving=jit(layer_saving),
-        layer_backward_saved=jit(layer_backward_saved, donate_argnums=1),
-        embed_backward=jit(embed_backward),
-        update_host=placement.host_jit(update, donate_argnums=(0, 2)),
-        update_device=placement.device_jit(update, donate_argnums=(0, 2)),
-        layer_index=t.layer_index,
-    )
+    return update
 
 
 def _flipped(tree):

@@ -9,7 +9,8 @@ their backward fetches nothing and recomputes only the cheap part of the layer. 
 `keep_attention` layers before them keep what their backward's recompute then takes instead
 of computing it again (their attention's output: programs.Templates), and the `keep_weights`
 layers before them keep the weights their forward fetched, which their backward takes
-instead of fetching them again (over a mesh, each device its shard).
+instead of fetching them again (over a mesh, each device its shard): `KeptOnDevice` holds
+the three ranges of layers.
 
 Parts are indexed in streaming order (0 embed, 1..L layers, L+1 head) and named as
 `placement.part_names` names them. The loops only dispatch: programs compute, the placement
@@ -20,6 +21,7 @@ weights are written.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -31,7 +33,83 @@ from megatrain_jax.stream.programs import Programs
 from megatrain_jax.stream.trace import Tracer
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptOnDevice:
+    """The layers whose forward keeps something on the device for their backward, by index.
+
+    `residuals`: the last `keep_layers` layers keep their matmuls' outputs and weights
+    (programs.layer_saving); their backward fetches nothing and recomputes only the rest.
+    `attention`: the `keep_attention` layers before them keep their attention's output and
+    statistics (Templates.layer_keeping); their backward does not attend again.
+    `weights`: the `keep_weights` layers before the residuals' keep the weights their forward
+    fetched (over a mesh, each device its shard); their backward fetches no weights.
+    """
+
+    residuals: range
+    attention: range
+    weights: range
+
+    @classmethod
+    def of(cls, layers: int, keep_layers: int, keep_attention: int,
+           keep_weights: int) -> "KeptOnDevice":
+        residuals = range(layers - min(keep_layers, layers), layers)
+        first = residuals.start
+        return cls(residuals, range(max(0, first - keep_attention), first),
+                   range(max(0, first - keep_weights), first))
+
+
+class _Pass:
+    """One step's streaming state: the parts' weights at home, the previous step's update
+    that a fetch waits for, and what each layer's forward leaves for its backward."""
+
+    def __init__(self, params: dict, pending, tracer: Tracer, placement: Placement,
+                 kept_on_device: KeptOnDevice):
+        self.weights, self.names = parts(params), part_names(len(params["layers"]))
+        self.layers = len(self.weights) - 2
+        self.pending, self.tracer, self.place = pending, tracer, placement
+        self.on_device = kept_on_device
+        self.saved = []                    # each layer's input (None: it keeps its residuals)
+        self.kept = [None] * self.layers   # what its forward kept for its backward's recompute
+        self.fetched = [None] * self.layers  # the weights of `on_device.weights` layers
+
+    def written(self, k: int) -> bool:
+        """Whether part k's update from the previous step is written."""
+        return self.pending is None or self.pending.done(self.names[k])
+
+    def fetch(self, k: int):
+        """Part k's weights on the device, once its update is written."""
+        if self.place.is_resident(k):
+            return self.weights[k]
+        if not self.written(k):
+            start = time.perf_counter()
+            self.pending.wait(self.names[k])
+            self.tracer.waited("update", start)
+        return self.tracer.issued("h2d", self.names[k], self.place.to_device(self.weights[k]))
+
+    def fetch_back(self, i: int):
+        """Layer i's weights and saved input on the device for its backward (None, None for
+        a layer that kept its residuals: it needs neither)."""
+        if i in self.on_device.residuals:
+            return None, None
+        if self.fetched[i] is not None:  # the forward's: only a host-saved input travels
+            w, x, self.fetched[i] = self.fetched[i], self.saved[i], None
+            if self.place.in_host_memory(x):
+                x = self.tracer.issued("h2d", f"input {i}", self.place.to_device(x))
+            return w, x
+        return self.tracer.issued("h2d", self.names[i + 1],
+                                  self.place.to_device((self.weights[i + 1], self.saved[i])))
+
+
 class Schedule:
+    """The order of one step's work: which transfer and which program run when.
+
+    `forward_backward` streams the parts through the device, issuing each transfer before
+    the compute it should overlap, and returns the step's gradients; it only dispatches
+    (programs compute, the placement moves, the tracer watches). `prefetch_depth` parts
+    travel ahead of the one computing; `keep_*` say which layers keep what on the device for
+    their backward (KeptOnDevice).
+    """
+
     def __init__(self, programs: Programs, placement: Placement, prefetch_depth: int = 2,
                  keep_attention: int = 0, keep_layers: int = 0, keep_weights: int = 0):
         if prefetch_depth < 1:
@@ -51,95 +129,92 @@ class Schedule:
         of the step's gradients so far, k's included; that sum's copy to the host follows
         the gradient's, so reading it waits for that part's transfers only, not for the
         copies queued after them."""
-        place, run, depth = self.placement, self.programs, self.depth
-        weights, names = parts(params), part_names(len(params["layers"]))
-        layers = len(weights) - 2
-
-        def written(k):
-            return pending is None or pending.done(names[k])
-
-        def fetch(k):  # part k's weights on the device, once its update is written
-            if place.is_resident(k):
-                return weights[k]
-            if not written(k):
-                start = time.perf_counter()
-                pending.wait(names[k])
-                tracer.waited("update", start)
-            return tracer.issued("h2d", names[k], place.to_device(weights[k]))
-
-        embed = fetch(0)
-        xs = tracer.issued("compute", "embed", run.embed_forward(embed, batch))
-        saved, kept, offloads = [], [None] * layers, _InFlight(depth, tracer)
-        saving = range(layers - min(self.keep_layers, layers), layers)
-        keeping = range(max(0, saving.start - self.keep_attention), saving.start)
-        weighing = range(max(0, saving.start - self.keep_weights), saving.start)
-        fetched = [None] * layers  # the weights of `weighing` layers, kept for the backward
-        computing = _InFlight(depth, tracer, "compute")  # the weights fetched ahead of it
-        stream = _prefetched(range(1, layers + 2), fetch, depth, written)
-        for i, w in zip(range(layers), stream):
-            tracer.visit("forward", i)
-            if i in saving:  # what its backward needs stays on the device: no input saved
-                saved.append(None)
-                xs, kept[i] = run.layer_saving(w, xs, batch, *self.index(i))
-            else:
-                saved.append(offloads.add(tracer.issued("d2h", f"input {i}", place.to_host(xs)))
-                             if place.input_on_host(i) else xs)
-                if i in keeping:
-                    xs, kept[i] = run.layer_keeping(w, xs, batch)
-                else:
-                    xs = run.layer_forward(w, xs, batch, *self.index(i))
-            computing.add(tracer.issued("compute", f"forward {i}", xs))
-            if i in weighing:
-                fetched[i] = w
-            del w
-        loss, dxs, dhead, dembed_head, sq = run.head(next(stream), embed, xs, batch, denom)
-        tracer.issued("compute", "head", dxs)
+        layers = len(params["layers"])
+        on_device = KeptOnDevice.of(layers, self.keep_layers, self.keep_attention,
+                                    self.keep_weights)
+        step = _Pass(params, pending, tracer, self.placement, on_device)
+        embed = step.fetch(0)
+        loss, dxs, dhead, dembed_head, sq = self._forward(step, embed, batch, denom)
         tracer.phase_end("forward", lambda: dxs)
-        del xs
         grads = [None] * (layers + 2)
-        if place.is_resident(layers + 1):
-            grads[-1] = dhead
-        else:
-            grads[-1] = tracer.issued("d2h", "head grad", place.to_host(dhead))
-            if on_gradient is not None:  # the head's is the first
-                on_gradient(layers + 1, grads[-1], place.to_host(sq))
-
-        def fetch_back(i):  # layer i's weights and saved input on the device (none: saving)
-            if i in saving:
-                return None, None
-            if fetched[i] is not None:  # the forward's: only a host-saved input travels
-                w, x, fetched[i] = fetched[i], saved[i], None
-                if place.in_host_memory(x):
-                    x = tracer.issued("h2d", f"input {i}", place.to_device(x))
-                return w, x
-            return tracer.issued("h2d", names[i + 1], place.to_device((weights[i + 1], saved[i])))
-
-        order = range(layers - 1, -1, -1)
-        offloads = _InFlight(depth, tracer)
-        for i, (w, x_in) in zip(order, _prefetched(order, fetch_back, depth)):
-            tracer.visit("backward", i)
-            saved[i] = None  # the device copy in x_in is the last one
-            if i in saving:
-                dxs, dw, sq = run.layer_backward_saved(kept[i], dxs, sq)
-            else:
-                dxs, dw, sq = run.layer_backward(w, x_in, dxs, batch, sq, kept[i],
-                                                 *self.index(i))
-            kept[i] = None
-            tracer.issued("compute", f"backward {i}", sq)  # dxs is donated to the next call
-            if place.is_resident(i + 1):
-                grads[i + 1] = dw
-            else:
-                grads[i + 1] = offloads.add(
-                    tracer.issued("d2h", f"layer {i} grad", place.to_host(dw)))
-                if on_gradient is not None:
-                    on_gradient(i + 1, grads[i + 1], place.to_host(sq))
-            del w, x_in, dw
-        dembed, sq, skip, scale = run.embed_backward(embed, batch, dxs, dembed_head, sq)
+        grads[-1] = self._gradient_out(step, layers + 1, dhead, sq, on_gradient, "head grad")
+        dxs, sq = self._backward(step, dxs, batch, sq, grads, on_gradient)
+        dembed, sq, skip, scale = self.programs.embed_backward(embed, batch, dxs, dembed_head,
+                                                               sq)
         tracer.issued("compute", "embed backward", sq)
-        grads[0] = dembed if place.is_resident(0) else tracer.issued(
-            "d2h", "embed grad", place.to_host(dembed))
+        grads[0] = self._gradient_out(step, 0, dembed, sq, None, "embed grad")
         tracer.phase_end("backward", lambda: grads)
         return loss, from_parts(grads), sq, skip, scale
+
+    def _forward(self, step: _Pass, embed, batch: dict, denom):
+        """The embedding, every layer and the head + loss: (loss, dL/dx of the last layer's
+        output, the head's gradient, the tied embedding's from the head, sum of squares)."""
+        xs = step.tracer.issued("compute", "embed", self.programs.embed_forward(embed, batch))
+        offloads = _InFlight(self.depth, step.tracer)  # inputs saved on the host
+        computing = _InFlight(self.depth, step.tracer, "compute")  # weights fetched ahead
+        stream = _prefetched(range(1, step.layers + 2), step.fetch, self.depth, step.written)
+        for i, w in zip(range(step.layers), stream):
+            step.tracer.visit("forward", i)
+            xs = self._forward_layer(step, i, w, xs, batch, offloads)
+            computing.add(step.tracer.issued("compute", f"forward {i}", xs))
+            if i in step.on_device.weights:
+                step.fetched[i] = w
+            del w
+        head = self.programs.head(next(stream), embed, xs, batch, denom)
+        step.tracer.issued("compute", "head", head[1])
+        return head
+
+    def _forward_layer(self, step: _Pass, i: int, w, xs, batch: dict, offloads: "_InFlight"):
+        """Layer i's forward, leaving for its backward its saved input and what it keeps."""
+        run, place = self.programs, self.placement
+        if i in step.on_device.residuals:  # what its backward needs stays: no input saved
+            step.saved.append(None)
+            xs, step.kept[i] = run.layer_saving(w, xs, batch, *self.index(i))
+            return xs
+        if place.input_on_host(i):
+            to_host = step.tracer.issued("d2h", f"input {i}", place.to_host(xs))
+            step.saved.append(offloads.add(to_host))
+        else:
+            step.saved.append(xs)
+        if i in step.on_device.attention:
+            xs, step.kept[i] = run.layer_keeping(w, xs, batch)
+            return xs
+        return run.layer_forward(w, xs, batch, *self.index(i))
+
+    def _backward(self, step: _Pass, dxs, batch: dict, sq, grads: list,
+                  on_gradient: Callable | None):
+        """The layers from last to first, each gradient sent out as soon as it is computed;
+        fills grads[1..L] and returns dL/dx of the embedding's output and the sum of squares."""
+        order = range(step.layers - 1, -1, -1)
+        offloads = _InFlight(self.depth, step.tracer)
+        for i, (w, x_in) in zip(order, _prefetched(order, step.fetch_back, self.depth)):
+            step.tracer.visit("backward", i)
+            step.saved[i] = None  # the device copy in x_in is the last one
+            if i in step.on_device.residuals:
+                dxs, dw, sq = self.programs.layer_backward_saved(step.kept[i], dxs, sq)
+            else:
+                dxs, dw, sq = self.programs.layer_backward(w, x_in, dxs, batch, sq, step.kept[i],
+                                                           *self.index(i))
+            step.kept[i] = None
+            step.tracer.issued("compute", f"backward {i}", sq)  # dxs is donated to the next
+            grads[i + 1] = self._gradient_out(step, i + 1, dw, sq, on_gradient,
+                                              f"layer {i} grad", offloads)
+            del w, x_in, dw
+        return dxs, sq
+
+    def _gradient_out(self, step: _Pass, k: int, grad, sq, on_gradient: Callable | None,
+                      label: str, offloads: "_InFlight | None" = None):
+        """Part k's gradient where its update runs: a resident part's stays on the device, a
+        host part's copy to the host is issued (and handed to on_gradient with the sum of
+        squares so far)."""
+        if self.placement.is_resident(k):
+            return grad
+        host = step.tracer.issued("d2h", label, self.placement.to_host(grad))
+        if offloads is not None:
+            host = offloads.add(host)
+        if on_gradient is not None:
+            on_gradient(k, host, self.placement.to_host(sq))
+        return host
 
     def eval_loss(self, params: dict, batch: dict, denom):
         """The loss from a streamed forward pass alone: no gradient, no update."""

@@ -140,7 +140,8 @@ class StepUpdate:
         if i >= self._wrong_from:
             return False
         seen = float(shard_views(self._seen_sqs[i])[0][0])
-        if not math.isfinite(seen) or (self.clip_norm > 0 and seen > self.clip_norm ** 2):
+        clips = self.clip_norm > 0 and seen > self.clip_norm ** 2
+        if not math.isfinite(seen) or clips:
             self._wrong_from = i  # the step skips or clips: every later guess is wrong too
             return False
         return True

@@ -97,6 +97,9 @@ os.register_at_fork(after_in_child=_forget_worker)
 
 
 class UpdateQueue:
+    """One step's host updates: work submitted per part, run in order on the shared worker,
+    with an event per part that the next step's fetches wait on (the module says how)."""
+
     def __init__(self, tracer: Tracer | None = None):
         self.tracer = tracer or Tracer()
         self.error: BaseException | None = None

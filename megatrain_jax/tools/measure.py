@@ -14,13 +14,7 @@ import dataclasses
 import statistics
 import timeit
 
-from megatrain_jax.tools.roofline import (
-    Rates,
-    at_optimizer_rate,
-    bound_for,
-    placed,
-    update_bytes,
-)
+from megatrain_jax.tools.roofline import Rates, at_optimizer_rate, bound_for, update_bytes
 
 
 def median_seconds(fn, repeats: int = 3) -> float:
@@ -42,16 +36,17 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     update moved at the optimizer's rate. The update's losses beside the transfers
     (`update_loss_h2d`, `update_loss_d2h`) are from the kernel's own rate beside a copy of the
     layers each way (`host_memory_left_by_h2d_gbps`, `..._d2h_gbps`) against its rate alone.
-    `kept_layers`: the engine's whose backward fetches no weights (its saving layers and those
-    keeping the forward's weights).
+    `cfg` is the engine's, resolved (its placement pinned: tools/planner.py); `kept_layers`
+    in the result counts its layers whose backward fetches no weights (saving, or keeping
+    the forward's weights).
     """
     import jax
     import jax.numpy as jnp
 
+    from megatrain_jax.config.memory import plan_of
     from megatrain_jax.tools import machine, plan
 
     place, run, block = engine.placement, engine.programs, jax.block_until_ready
-    cfg = placed(cfg, place)
     params = state.params
     # The link is timed from pinned host memory, as the engine streams: resident layers
     # (already on the device, where a transfer would be a no-op) are copied there first.
@@ -69,6 +64,9 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     forward = median_seconds(lambda: block(run.layer_forward(weights, xs, b)))
     backward = median_seconds(
         lambda: block(run.layer_backward(weights, xs, jnp.ones_like(xs), b, zero)))
+    # A saving layer's forward and its backward from the saved activations (keep_layers).
+    saving = median_seconds(lambda: block(run.layer_backward_saved(
+        run.layer_saving(weights, xs, b)[1], jnp.ones_like(xs), zero)))
 
     def head_and_embed_backward():  # the serial work: it follows the last update
         _, dxs, _, dembed, sq = run.head(head, embed, xs, b, denom)
@@ -89,13 +87,26 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     rates = at_optimizer_rate(
         Rates(nbytes / h2d / 1e9, nbytes / d2h / 1e9, forward, backward, head_s, 0.0,
               overlapped_update=engine.host_optimizer is not None,
-              update_loss_h2d=loss["h2d"], update_loss_d2h=loss["d2h"]),
+              update_loss_h2d=loss["h2d"], update_loss_d2h=loss["d2h"],
+              layer_backward_saving_s=max(saving - forward, 1e-9),
+              device_memory_gbps=_device_memory_gbps(on_device)),
         optimizer_gparams or sample, max(alone, shared), update_bytes(cfg))
-    kept = engine.schedule.keep_weights + engine.schedule.keep_layers
-    return {**dataclasses.asdict(rates), **bound_for(cfg, rates, kept), "kept_layers": kept,
+    kept = plan_of(cfg).unfetched(cfg.model.layers)
+    return {**dataclasses.asdict(rates), **bound_for(cfg, rates, place.devices),
+            "kept_layers": kept,
             "optimizer_sample_gparams": sample, "host_memory_kernel_gbps": alone,
             "host_memory_shared_gbps": shared, "host_memory_left_by_h2d_gbps": left["h2d"],
             "host_memory_left_by_d2h_gbps": left["d2h"]}
+
+
+def _device_memory_gbps(tree) -> float:
+    """The GPU memory's bandwidth, from an elementwise update of `tree` on the device (reads
+    and writes each byte once)."""
+    import jax
+
+    step = jax.jit(lambda t: jax.tree.map(lambda a: a * 0.5 + 1.0, t))
+    nbytes = 2 * sum(a.nbytes for a in jax.tree.leaves(tree))
+    return nbytes / median_seconds(lambda: jax.block_until_ready(step(tree))) / 1e9
 
 
 def _optimizer_rate(engine) -> float:
@@ -130,14 +141,17 @@ def measure_rates(cfg) -> Rates:
     layers); the bound counts cfg's own."""
     import jax
 
+    from megatrain_jax.config.memory import PlacementPlan
     from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.tools.planner import pinned_config
     from megatrain_jax.train.trainers import StreamTrainer
 
-    small = dataclasses.replace(
+    small = pinned_config(dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, layers=min(cfg.model.layers, 2), hf_path=""),
         data=dataclasses.replace(cfg.data, source="random"),
-        stream=dataclasses.replace(cfg.stream, resident_layers=0),
-        loop=dataclasses.replace(cfg.loop, trainer="stream"))
+        loop=dataclasses.replace(cfg.loop, trainer="stream")), PlacementPlan())
     trainer = StreamTrainer(small)
     state = trainer.init(jax.random.key(0))
-    return Rates.from_result(measure(cfg, trainer.engine, state, TokenSource(small).batch_at(0)))
+    rates = Rates.from_result(measure(small, trainer.engine, state,
+                                      TokenSource(small).batch_at(0)))
+    return rates

@@ -41,6 +41,18 @@ def host_memory_available() -> int | None:
     return None
 
 
+@functools.cache
+def gpu_name() -> str | None:
+    """The name of the run's first GPU (`NVIDIA H200`) from nvidia-smi; None without one."""
+    first = (_visible() or ["0"])[0]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader",
+                              "-i", first], capture_output=True, text=True, timeout=20)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 def gpu_memory_bytes() -> int | None:
     """Total memory of the run's first GPU (CUDA_VISIBLE_DEVICES's first) from nvidia-smi;
     None without an NVIDIA GPU."""

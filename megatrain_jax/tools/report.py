@@ -29,12 +29,17 @@ class ReportError(ValueError):
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    """The records of a JSONL file. A last line cut short, without its newline, is one a
+    running `train` is writing: it is left out, not an error."""
+    text = path.read_text()
+    lines, records = text.splitlines(), []
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as e:
+                if n == len(lines) and not text.endswith("\n"):
+                    break
                 raise ReportError(f"{path}:{n} is not valid JSON ({e.msg})") from None
     return records
 

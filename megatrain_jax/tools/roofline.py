@@ -48,10 +48,13 @@ beside a copy to the device and beside one back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+import numpy as np
+
 from megatrain_jax.config import ModelConfig, host_update, layer_grad_dtype
-from megatrain_jax.config.memory import optimizer_bytes, with_resident_embeddings
+from megatrain_jax.config.memory import optimizer_bytes, plan_of, saved_per_layer
 from megatrain_jax.tools.probe import planned_devices
 
 # Host memory bytes of the in-place AdamW per parameter: p, g, mu, nu read; p, mu, nu written.
@@ -72,6 +75,12 @@ class Rates:
     # and back: 1 - a streaming kernel's rate beside that copy over its rate alone; 0: none.
     update_loss_h2d: float = 0.0
     update_loss_d2h: float = 0.0
+    # One layer's backward from the activations its forward saved (stream.keep_layers: no
+    # recompute of its matmuls); 0: unknown, SAVED_SHARE of a forward less than a backward.
+    layer_backward_saving_s: float = 0.0
+    # The GPU memory's bandwidth, which the resident parts' update streams their state
+    # through (RESIDENT_UPDATE_BYTES a parameter); 0: unknown, that update left out.
+    device_memory_gbps: float = 0.0
 
     @classmethod
     def from_result(cls, result: dict) -> "Rates":
@@ -80,10 +89,33 @@ class Rates:
         return cls(**{f.name: result[f.name] for f in dataclasses.fields(cls)
                       if f.name in result or f.default is dataclasses.MISSING})
 
+    def saved_by_saving(self) -> float:
+        """Seconds a layer's backward saves by taking the activations its forward saved."""
+        if self.layer_backward_saving_s > 0:
+            return max(self.layer_backward_s - self.layer_backward_saving_s, 0.0)
+        return SAVED_SHARE * self.layer_forward_s
+
+
+# A layer that saved its activations (stream.keep_layers) still recomputes its attention and
+# elementwise work in the backward: it saves about this share of a forward (7b at 16 x 1024
+# on the H200: every layer resident, 11,597 tokens/s; with every layer saving, 13,617).
+SAVED_SHARE = 0.62
+# GPU memory bytes a parameter of a resident part's update moves: p, g, m, v read, p, m, v
+# written, in fp32.
+RESIDENT_UPDATE_BYTES = 28
+
+
+def _most(*terms):
+    """The largest of the terms, element by element where some are arrays (the planner
+    evaluates many placements, or many shares of the update, at once)."""
+    return functools.reduce(np.maximum, terms)
+
 
 def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
           resident_layers: int = 0, grad_bytes: float = 4, update_bytes: float | None = None,
-          speculate: float = 0.0, kept_layers: int = 0, resident_embeddings: bool = False) -> dict:
+          speculate=0.0, kept_layers: int = 0, resident_embeddings: bool = False,
+          saving_layers: int = 0, attention_layers: int = 0, attention_s: float = 0.0,
+          host_input_bytes: float = 0.0) -> dict:
     """Seconds per component and both bounds, for one step of `model` at the given rates.
 
     `grad_bytes`: bytes per streamed parameter of the gradients that travel to the host and
@@ -93,66 +125,84 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     `speculate`: the share of the update that runs beside the backward (a step whose guesses
     stand, stream.speculate; True: all of it): that share's time and bytes move from the
     forward to the backward, and the next forward still waits for one part's update after it.
+    It may be an array of shares: every term is then an array, one element a share.
 
     `resident_layers` kept in GPU memory, and with `resident_embeddings` the embedding and
     head, neither travel nor load the host: the link, the host optimizer and the host memory
-    carry the other parameters only. (Their own update
-    runs on the GPU at memory speed, a few ms per billion parameters, and is left out.) The
-    `kept_layers` take weights their forward kept: the backward fetches the rest.
+    carry the other parameters only; their own update runs on the GPU after the backward, at
+    its memory's speed (`Rates.device_memory_gbps`). The `kept_layers` (streamed layers that
+    keep their forward's weights, or save their activations) take weights their forward kept:
+    the backward fetches the rest. The `saving_layers` backward does not recompute their
+    matmuls (`Rates.saved_by_saving`), the `attention_layers` do not attend again
+    (`attention_s` each). `host_input_bytes` of saved layer inputs wait on pinned host: out
+    in the forward, back in the backward.
     """
     p = streamed_params(model, resident_layers, resident_embeddings)
-    refetched = 1 - kept_layers * model.params_per_layer / max(p, 1)  # the backward's share
+    refetched = 1 - kept_layers * model.params_per_layer / np.maximum(p, 1)  # the backward's share
     weight_pass = bytes_per_param * p / (rates.h2d_gbps * 1e9)
+    inputs_out = host_input_bytes / (rates.d2h_gbps * 1e9)
+    inputs_in = host_input_bytes / (rates.h2d_gbps * 1e9)
     gradients = grad_bytes * p / (rates.d2h_gbps * 1e9)
     forward = model.layers * rates.layer_forward_s
-    backward = model.layers * rates.layer_backward_s
+    backward = (model.layers * rates.layer_backward_s - saving_layers * rates.saved_by_saving()
+                - attention_layers * attention_s)
     head = rates.head_s
     optimizer = p / (rates.optimizer_gparams * 1e9)
+    on_gpu = model.num_params - p
+    resident_update = (on_gpu * RESIDENT_UPDATE_BYTES / (rates.device_memory_gbps * 1e9)
+                       if rates.device_memory_gbps else 0.0)
     if update_bytes is None:
         update_bytes = HOST_UPDATE_BYTES - (4 - grad_bytes)
-    share = float(speculate) if rates.overlapped_update else 0.0
+    share = np.asarray(speculate, float) * (1.0 if rates.overlapped_update else 0.0)
     host = _host_memory_seconds(p, rates, bytes_per_param, grad_bytes, update_bytes, share,
-                                refetched)
-    h2d, host_total = (1 + refetched) * weight_pass, host["forward"] + host["backward"]
-    ideal = max(forward + head + backward, h2d, gradients, optimizer, host_total)
-    backward_step = max(backward, refetched * weight_pass, gradients, host["backward"])
+                                refetched, host_input_bytes)
+    h2d_back = refetched * weight_pass + inputs_in
+    h2d, host_total = weight_pass + h2d_back, host["forward"] + host["backward"]
+    ideal = _most(forward + head + backward, h2d, gradients + inputs_out, optimizer, host_total)
+    backward_step = _most(backward, h2d_back, gradients, host["backward"])
+    forward_step = _most(forward, weight_pass, inputs_out)
     # The host update beside each phase's transfers, which slow it while they run (none: the
     # update on the device is serial).
-    update_forward = update_backward = 0.0
+    update_forward = update_backward = 0.0 * share
     if rates.overlapped_update:
         update_forward = _beside_transfers((1 - share) * optimizer,
-                                           (rates.update_loss_h2d, weight_pass))
+                                           (rates.update_loss_h2d, weight_pass),
+                                           (rates.update_loss_d2h, inputs_out))
         update_backward = _beside_transfers(share * optimizer,
-                                            (rates.update_loss_h2d, refetched * weight_pass),
+                                            (rates.update_loss_h2d, h2d_back),
                                             (rates.update_loss_d2h, gradients))
-    if share:
         last_layer = model.params_per_layer / (rates.optimizer_gparams * 1e9)
-        step = (max(forward, weight_pass, update_forward, host["forward"]) + head
-                + max(backward_step, update_backward) + last_layer)
-    elif rates.overlapped_update:
-        step = max(forward, weight_pass, update_forward, host["forward"]) + head + backward_step
+        paced = _most(forward_step, update_forward, host["forward"]) + head
+        step = np.where(share > 0, paced + _most(backward_step, update_backward) + last_layer,
+                        paced + backward_step)
     else:
-        step = max(forward, weight_pass) + head + backward_step + optimizer
-    return {
+        step = forward_step + head + backward_step + optimizer
+    step = step + resident_update
+    terms = {
         "compute_forward_s": forward, "compute_head_s": head, "compute_backward_s": backward,
-        "h2d_per_pass_s": weight_pass, "h2d_backward_s": refetched * weight_pass,
-        "d2h_s": gradients, "optimizer_s": optimizer,
+        "h2d_per_pass_s": weight_pass, "h2d_backward_s": h2d_back, "inputs_to_host_s": inputs_out,
+        "d2h_s": gradients, "optimizer_s": optimizer, "resident_update_s": resident_update,
         "host_memory_forward_s": host["forward"], "host_memory_backward_s": host["backward"],
         "update_forward_s": update_forward, "update_backward_s": update_backward,
         "ideal_s": ideal, "step_s": step,
-        "limited_by": _limit(forward + head, backward, h2d, gradients, optimizer, host_total),
     }
+    if np.ndim(step):
+        return terms
+    terms = {name: float(value) for name, value in terms.items()}
+    terms["limited_by"] = _limit(forward + head, backward, h2d, gradients, optimizer,
+                                 host_total)
+    return terms
 
 
-def _beside_transfers(work_s: float, *transfers: tuple[float, float]) -> float:
+def _beside_transfers(work_s, *transfers: tuple[float, float]):
     """Seconds of `work_s` of host update run beside transfers (loss, seconds) that start with
     it: while one runs the update loses `loss` of each second, so an update that outlasts them
     takes loss x their seconds more, one that ends first is slowed throughout."""
-    if work_s <= 0:
-        return 0.0
+    transfers = [(loss, seconds) for loss, seconds in transfers if np.any(seconds > 0)]
     lost = sum(loss * seconds for loss, seconds in transfers)
     kept = 1 - sum(loss for loss, _ in transfers)
-    return min(work_s + lost, work_s / kept) if kept > 0 else work_s + lost
+    slowed = np.minimum(work_s + lost, work_s / kept) if kept > 0 else work_s + lost
+    return np.where(work_s > 0, slowed, 0.0)
 
 
 def streamed_params(model: ModelConfig, resident_layers: int = 0,
@@ -160,30 +210,25 @@ def streamed_params(model: ModelConfig, resident_layers: int = 0,
     """Parameters that live on the host: all but those of the layers kept on the GPU, and of
     the embedding and the head where they are kept there."""
     layers = (model.layers - resident_layers) * model.params_per_layer
-    return layers + (0 if resident_embeddings else model.embedding_params)
-
-
-def placed(cfg, placement):
-    """cfg with stream.resident_embeddings as `placement` (an engine's) settled it."""
-    return with_resident_embeddings(cfg, placement.resident_embeddings)
+    return layers + (1 - resident_embeddings) * model.embedding_params
 
 
 def host_params(cfg) -> int:
-    """`streamed_params` of cfg's run (stream.resident_embeddings `auto` counts as off:
-    `memory.resolved` settles it first)."""
-    s = cfg.stream
-    return streamed_params(cfg.model, s.resident_layers, s.resident_embeddings == "on")
+    """`streamed_params` of a resolved cfg's run (every placement key pinned: planner.py)."""
+    plan = plan_of(cfg)
+    return streamed_params(cfg.model, plan.resident_layers, plan.resident_embeddings)
 
 
-def bound_for(cfg, rates: Rates, kept_layers: int = 0) -> dict:
-    """`bound` of the step `cfg` trains: its resident layers, `kept_layers` whose backward
-    fetches no weights (`memory.unfetched_layers`), gradients' and update's bytes, and, where it
-    guesses (stream.speculate on or auto), a step whose guesses stand. The guesses not started
-    by the backward's end are dropped and done after it, so such a step takes the best share
-    of the update beside the backward, up to stream.speculate_share."""
+def bound_for(cfg, rates: Rates, devices: int | None = None) -> dict:
+    """`bound` of the step a resolved cfg trains (its placement: `memory.plan_of`) over
+    `devices` GPUs (None: the run's), and, where it guesses (stream.speculate on or auto), a
+    step whose guesses stand. The guesses not started by the backward's end are dropped and
+    done after it, so such a step takes the best share of the update beside the backward, up
+    to stream.speculate_share."""
+    devices = planned_devices(cfg) if devices is None else devices
     guess = cfg.stream.speculate != "off" and can_guess(cfg)
-    share = best_speculate_share(cfg, rates, kept_layers)[0] if guess else 0.0
-    return _bound_at(cfg, rates, share, kept_layers)
+    share = best_speculate_share(cfg, rates, devices)[0] if guess else 0.0
+    return bound_of(cfg, plan_of(cfg), rates, devices, share)
 
 
 def can_guess(cfg) -> bool:
@@ -192,26 +237,47 @@ def can_guess(cfg) -> bool:
     return host_update(cfg) and cfg.optim.state_dtype == "float32"
 
 
-def best_speculate_share(cfg, rates: Rates, kept_layers: int = 0) -> tuple[float, float]:
+def best_speculate_share(cfg, rates: Rates, devices: int | None = None) -> tuple[float, float]:
     """(share, bound seconds): the smallest share of the update beside the backward, in
     steps of 0.05 up to stream.speculate_share, whose bound is the shortest (a step whose
     guesses stand); 0 where guessing does not pay. The bound is flat from where the
     backward's host memory is full to where the forward's is no longer the limit."""
-    bounds = [(k / 20, _bound_at(cfg, rates, k / 20, kept_layers)["step_s"]) for k in range(21)
-              if k / 20 <= cfg.stream.speculate_share + 1e-9]
-    shortest = min(seconds for _, seconds in bounds)
-    return next((share, seconds) for share, seconds in bounds
-                if seconds <= shortest * (1 + 1e-9))
+    devices = planned_devices(cfg) if devices is None else devices
+    shares = SHARES[SHARES <= cfg.stream.speculate_share + 1e-9]
+    seconds = bound_of(cfg, plan_of(cfg), rates, devices, shares)["step_s"]
+    k = int(np.flatnonzero(seconds <= seconds.min() * (1 + 1e-9))[0])
+    return float(shares[k]), float(seconds[k])
 
 
-def _bound_at(cfg, rates: Rates, share: float, kept_layers: int) -> dict:
-    """The bound of cfg's step. Over a mesh the rates are the mesh's (`measure` times a layer
-    over it, and the links together, each carrying its shard), and the layer gradients are
-    sums over the GPUs: fp32."""
-    return bound(cfg.model, rates, resident_layers=cfg.stream.resident_layers,
-                 grad_bytes=gradient_bytes(cfg), update_bytes=update_bytes(cfg),
-                 speculate=share, kept_layers=kept_layers,
-                 resident_embeddings=cfg.stream.resident_embeddings == "on")
+# The shares of the update a step that does not clip may run during the backward.
+SHARES = np.linspace(0.0, 1.0, 21)
+
+
+def bound_of(cfg, placement, rates: Rates, devices: int, share=0.0) -> dict:
+    """`bound` of cfg's step under a placement (a `memory.PlacementPlan`, or the planner's
+    dict of arrays, one element a candidate), `share` of the update during the backward."""
+    get = (placement.get if isinstance(placement, dict)
+           else lambda key: getattr(placement, key))
+    m = cfg.model
+    r, e = get("resident_layers"), get("resident_embeddings")
+    saving = get("saving_layers")
+    grad = gradient_bytes_at(cfg, r, e, devices)
+    return bound(
+        m, rates, resident_layers=r, grad_bytes=grad,
+        update_bytes=8 + grad + 2 * optimizer_bytes(cfg), speculate=share,
+        kept_layers=get("weight_layers") + saving - np.maximum(0, r + saving - m.layers),
+        resident_embeddings=e, saving_layers=saving,
+        attention_layers=get("attention_layers"),
+        attention_s=rates.layer_forward_s * attention_share(cfg),
+        host_input_bytes=get("host_inputs") * saved_per_layer(cfg))
+
+
+def attention_share(cfg) -> float:
+    """The share of a layer's forward FLOPs its causal attention takes (QK^T and PV over half
+    the scores): what a layer that keeps its attention does not compute again."""
+    m, d = cfg.model, cfg.data
+    attention = d.seq_len * m.heads * m.dh
+    return attention / (attention + m.params_per_layer)
 
 
 def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
@@ -224,16 +290,22 @@ def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
 
 
 def gradient_bytes(cfg, devices: int | None = None) -> float:
-    """Bytes per host-held parameter of a step's gradients over `devices` GPUs (None: the
-    run's, `planned_devices`): layers' in bf16 where the engine sends them so
+    """Bytes per host-held parameter of a resolved cfg's step's gradients over `devices` GPUs
+    (None: the run's, `planned_devices`): layers' in bf16 where the engine sends them so
     (stream.grad_dtype: config/auto.py), the rest fp32."""
-    m, s = cfg.model, cfg.stream
+    plan = plan_of(cfg)
     devices = planned_devices(cfg) if devices is None else devices
-    if layer_grad_dtype(cfg, devices) != "bfloat16":
-        return 4.0
-    streamed = host_params(cfg)
-    layers = (m.layers - s.resident_layers) * m.params_per_layer
-    return (2 * layers + 4 * (streamed - layers)) / max(streamed, 1)
+    return float(gradient_bytes_at(cfg, plan.resident_layers, plan.resident_embeddings,
+                                   devices))
+
+
+def gradient_bytes_at(cfg, resident_layers, resident_embeddings, devices: int):
+    """`gradient_bytes` with the given resident layers and embeddings (arrays allowed)."""
+    m = cfg.model
+    streamed = streamed_params(m, resident_layers, resident_embeddings)
+    layers = (m.layers - resident_layers) * m.params_per_layer
+    layer_bytes = 2 if layer_grad_dtype(cfg, devices) == "bfloat16" else 4
+    return (layer_bytes * layers + 4 * (streamed - layers)) / np.maximum(streamed, 1)
 
 
 def update_bytes(cfg, devices: int | None = None) -> float:
@@ -245,17 +317,21 @@ def update_bytes(cfg, devices: int | None = None) -> float:
 
 
 def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int, grad_bytes: float,
-                         update_bytes: float, share: float, refetched: float = 1.0) -> dict:
-    """Seconds of host DRAM traffic in the forward (the weight pass and the overlapped
-    update but its speculated `share`) and in the backward (the `refetched` share of the
-    weight pass, the gradients and that share); 0 where the bandwidth is unknown. A device
-    update is bound by the link, not by host memory, so it adds nothing here."""
+                         update_bytes: float, share, refetched: float = 1.0,
+                         input_bytes: float = 0.0) -> dict:
+    """Seconds of host DRAM traffic in the forward (the weight pass, the saved inputs going
+    out and the overlapped update but its speculated `share`) and in the backward (the
+    `refetched` share of the weight pass, the inputs coming back, the gradients and that
+    share); 0 where the bandwidth is unknown. A device update is bound by the link, not by
+    host memory, so it adds nothing here."""
     if rates.host_memory_gbps <= 0:
-        return {"forward": 0.0, "backward": 0.0}
+        return {"forward": 0.0 * share, "backward": 0.0 * share}
     update = update_bytes if rates.overlapped_update else 0
     per_byte = params / (rates.host_memory_gbps * 1e9)
-    return {"forward": (bytes_per_param + (1 - share) * update) * per_byte,
-            "backward": (refetched * bytes_per_param + grad_bytes + share * update) * per_byte}
+    inputs = input_bytes / (rates.host_memory_gbps * 1e9)
+    return {"forward": (bytes_per_param + (1 - share) * update) * per_byte + inputs,
+            "backward": (refetched * bytes_per_param + grad_bytes + share * update) * per_byte
+            + inputs}
 
 
 def _limit(forward, backward, h2d, gradients, optimizer, host_memory) -> str:
@@ -266,7 +342,7 @@ def _limit(forward, backward, h2d, gradients, optimizer, host_memory) -> str:
 
 def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int,
                          resident_layers: int = 0, resident_embeddings: bool = False,
-                         kept_layers: int = 0) -> int:
+                         kept_layers: int = 0, saving_layers: int = 0) -> int:
     """Tokens per step from which this engine's schedule is bound by compute alone.
 
     Layer compute grows linearly with tokens; transfers and the optimizer do not. The step is
@@ -276,7 +352,8 @@ def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int,
     at `tokens` per step.
     """
     b = bound(model, rates, resident_layers=resident_layers,
-              resident_embeddings=resident_embeddings, kept_layers=kept_layers)
+              resident_embeddings=resident_embeddings, kept_layers=kept_layers,
+              saving_layers=saving_layers)
     forward_per_token = b["compute_forward_s"] / tokens
     backward_per_token = b["compute_backward_s"] / tokens
     # The host update that paces the forward, slowed by the weight stream beside it (0 for an

@@ -2,48 +2,53 @@
 
     cfg = load_config("demo")
     summary = train(cfg)                 # writes RUN_DIR/config.json and metrics.jsonl
+    with StopSignals() as stop:          # SIGTERM / SIGINT stop it cleanly (stop.py)
+        summary = train(cfg, stop=stop)
 
 Both trainers have `init(key) -> state` and `train_step(state, batch) -> (state, metrics)`:
 `stream` (the default) keeps state on the host and streams layers through the GPU;
 `reference` holds the whole model on the device. The loop is a plain for-loop.
 
-A run starts once its data, its checkpoints (a resume must continue the run that wrote them:
-resume.py) and the disk are checked; only then is RUN_DIR created or its config.json
-replaced, and metrics.jsonl cut back to the step resumed from. A save that fails ends the run
-at the next step; `loop.max_skipped_steps` skipped steps in a row (non-finite gradients) end
-it with TrainingStopped, the checkpoints from before them kept.
+`train` holds RUN_DIR's lock (io/run_folder.py) for its lifetime: a second `train` there is
+refused at once. A run whose newest checkpoint is its last step is finished: its command run
+again returns at once. Otherwise a run starts once its data, its checkpoints (a resume must
+continue the run that wrote them: resume.py) and the disk are checked (startup.py); only then
+is RUN_DIR created or its config.json replaced, and metrics.jsonl cut back to the step resumed
+from. A save that fails ends the run at the next step; `loop.max_skipped_steps` skipped steps
+in a row (non-finite gradients) end it with TrainingStopped, the checkpoints from before them
+kept. A signal ends it after the step in flight with RunInterrupted: the save under way
+completes and the run stops at its step, or else the step just ended is saved
+(`loop.stop_save`); its metrics line is written in either case.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from megatrain_jax.config import (
-    Config,
-    ConfigError,
-    host_update,
-    load_run_config,
-    save_config,
-)
-from megatrain_jax.io import hf
-from megatrain_jax.io.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    complete_steps,
-    foreign_steps,
-    tree_bytes,
-)
+from megatrain_jax.config import Config, ConfigError, host_update, save_config
+from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError
 from megatrain_jax.io.data import TokenSource
+from megatrain_jax.io.run_folder import RunLock
 from megatrain_jax.stream import Timeline
 from megatrain_jax.tools.machine import memory_record, peak_flops
 from megatrain_jax.tools.progress import Progress
+from megatrain_jax.train.export import export_params, export_run
 from megatrain_jax.train.resume import check_continues, restore, run_record
+from megatrain_jax.train.startup import (
+    check_writable,
+    checkpointer,
+    finished_summary,
+    read_records,
+    rewind,
+    tensorboard,
+)
+from megatrain_jax.train.stop import RunInterrupted, requested
 from megatrain_jax.train.trainers import initial_state, make_trainer
 
 
@@ -52,81 +57,16 @@ class TrainingStopped(RuntimeError):
     why and what the checkpoints hold."""
 
 
-def _check_writable(run_dir: Path) -> None:
-    """Refuses a loop.run_dir that could not be created or written, before anything starts."""
-    existing = run_dir.absolute()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"loop.run_dir {run_dir}: {existing} is not a folder this process "
-                          "can write into; choose another loop.run_dir.")
+@dataclass
+class _Tally:
+    """What the loop carries from step to step."""
 
-
-def _checkpointer(cfg: Config, trainer) -> Checkpointer | None:
-    """The run's checkpoints, to write or to resume from, checked before anything starts;
-    None when there are neither."""
-    directory = Path(cfg.loop.run_dir) / "checkpoints"
-    if foreign_steps(directory):
-        raise CheckpointError(
-            f"{directory} holds step folders this version cannot read "
-            f"({foreign_steps(directory)}: written by an earlier megatrain-jax, with orbax, or "
-            "not checkpoints): move them away, or use another loop.run_dir.")
-    existing = complete_steps(directory)
-    if existing and not cfg.loop.resume:
-        raise CheckpointError(
-            f"loop.resume=false, but {directory} holds checkpoints of an earlier run "
-            f"({existing}); a new run there would mix its checkpoints with them. Use another "
-            "loop.run_dir, or move that folder away.")
-    if not cfg.loop.checkpoint_every and not existing:
-        return None
-    ckpt = Checkpointer(directory, keep=cfg.loop.keep_checkpoints)
-    if cfg.loop.checkpoint_every:
-        ckpt.check_room(tree_bytes(trainer.abstract_state()))
-    return ckpt
-
-
-def _resume(cfg: Config, trainer, ckpt: Checkpointer | None):
-    """(state, first step, skipped steps) from the latest checkpoint, or (None, 0, 0)."""
-    if ckpt is None or not cfg.loop.resume or ckpt.latest_step() is None:
-        return None, 0, 0
-    step = ckpt.latest_step()
-    check_continues(cfg, ckpt.read_meta(step), ckpt.directory / str(step))
-    tree, meta = restore(ckpt, step, trainer, cfg)
-    return (trainer.from_tree(tree, step, meta.get("state", {})), meta["data_position"],
-            meta.get("skipped_steps", 0))
-
-
-def _rewind(run_dir: Path, step: int) -> None:
-    """Drops the records after `step` from metrics.jsonl and eval.jsonl: a run resumed from
-    an older checkpoint writes those steps again."""
-    for path in (run_dir / "metrics.jsonl", run_dir / "eval.jsonl"):
-        if not step or not path.exists():
-            path.unlink(missing_ok=True)
-            continue
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line + "\n")
-            except (ValueError, KeyError, TypeError):
-                pass  # a line cut short by a killed process
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text("".join(kept))
-        partial.replace(path)
-
-
-def _tensorboard(cfg: Config, run_dir: Path):
-    """A tensorboardX writer when wanted and installed (the `tensorboard` extra), else None."""
-    if cfg.loop.tensorboard == "off":
-        return None
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:
-        if cfg.loop.tensorboard == "on":
-            raise ImportError("loop.tensorboard=on needs tensorboardX: "
-                              "pip install 'megatrain-jax[tensorboard]'") from None
-        return None
-    return SummaryWriter(str(run_dir / "tensorboard"))
+    start: int  # the step this attempt began at
+    skipped: int  # steps skipped in all, earlier attempts' included
+    peak: float | None  # the devices' peak FLOP/s, for MFU
+    streak: int = 0  # skipped steps in a row
+    history: list = field(default_factory=list)  # this attempt's metric records
+    timer: float = field(default_factory=time.perf_counter)  # since the last record
 
 
 def evaluate(trainer, state, val: TokenSource, batches: int) -> float:
@@ -148,36 +88,50 @@ def write_timeline(path: Path, bars: list[dict], step: int, cfg: Config) -> None
     path.write_text(json.dumps(doc) + "\n")
 
 
-def train(cfg: Config, log=None, on_start=None) -> dict:
+def train(cfg: Config, log=None, on_start=None, stop=None) -> dict:
     """Runs `cfg.loop.steps` steps; returns a summary (first and last loss, tokens/s, ...).
 
     Data, checkpoints and disk are checked, and the state restored or built, before RUN_DIR
-    is created or its config.json replaced; `on_start(first_step)` is called then.
+    is created or its config.json replaced; `on_start(first_step)` is called then. `stop`
+    (a StopSignals) ends the run cleanly with RunInterrupted once it has received a signal.
+    A finished run (its newest checkpoint at loop.steps) returns its summary at once, with
+    `finished_before: True`.
     """
     run_dir = Path(cfg.loop.run_dir)
-    _check_writable(run_dir)
+    check_writable(run_dir)
+    with RunLock(run_dir) as lock:
+        finished = finished_summary(cfg)
+        if finished is None:
+            return _train(cfg, lock, log, on_start, stop)
+        if cfg.loop.export_dir and not Path(cfg.loop.export_dir).exists():
+            export_run(run_dir, cfg.loop.export_dir, finished["steps"], None, cfg.loop.progress)
+        return finished
+
+
+def _train(cfg: Config, lock: RunLock, log, on_start, stop) -> dict:
+    run_dir = Path(cfg.loop.run_dir)
     if cfg.loop.export_dir and Path(cfg.loop.export_dir).exists():
         raise ConfigError(f"loop.export_dir {cfg.loop.export_dir} already exists; name a new "
                           "folder for the exported model.")
     data = TokenSource(cfg)
     val = TokenSource(cfg, "val") if cfg.loop.eval_every else None
     trainer = make_trainer(cfg)
-    ckpt = _checkpointer(cfg, trainer)
+    ckpt = checkpointer(cfg, trainer)
     try:
         state, start, skipped = _resume(cfg, trainer, ckpt)
         if state is None:
             state = initial_state(cfg, trainer)
-        try:  # the run has started: record it
-            run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, run_dir / "config.json")
-            _rewind(run_dir, start)
-        except OSError as e:
-            raise ConfigError(f"loop.run_dir {run_dir}: cannot write there "
-                              f"({e.strerror or e}); choose another loop.run_dir.") from None
+        if requested(stop):  # before the first step: nothing to save, nothing written yet
+            raise RunInterrupted(f"stopped by {stop.name} before its first step (step "
+                                 f"{start + 1}): nothing was trained or written; run the same "
+                                 "command to start again.", stop.signal, None)
+        _begin(cfg, lock, start)
         if on_start is not None:
             on_start(start)
-        history, state, skipped = _loop(cfg, trainer, state, start, skipped, data, val, ckpt,
-                                        log)
+        tally = _Tally(start, skipped, peak_flops(trainer.devices))
+        state, stopped_at = _loop(cfg, trainer, state, tally, data, val, ckpt, log, stop)
+        if stopped_at is not None:
+            raise _interrupted(cfg, stop, stopped_at, tally, ckpt)
     except BaseException:
         if ckpt is not None:
             try:  # a save under way holds a good state: let it finish
@@ -189,97 +143,203 @@ def train(cfg: Config, log=None, on_start=None) -> dict:
         ckpt.close()  # raises if the last save failed
     state.wait()
     if cfg.loop.export_dir:
-        _export(state.params, cfg, cfg.loop.export_dir, None, cfg.loop.progress)
+        export_params(state.params, cfg, cfg.loop.export_dir, None, cfg.loop.progress)
+    history = tally.history
     steady = history[1:] or history  # the first record includes compilation
     return {
-        "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
+        "first_loss": _first_loss(run_dir, history), "last_loss": history[-1]["loss"],
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-        "skipped_steps": skipped, "run_dir": str(run_dir), "state": state,
+        "skipped_steps": tally.skipped, "run_dir": str(run_dir), "state": state,
     }
 
 
-def _loop(cfg: Config, trainer, state, start: int, skipped: int, data: TokenSource,
-          val: TokenSource | None, ckpt: Checkpointer | None, log):
-    """The steps from `start`: (metric records, final state, skipped steps in all)."""
-    run_dir, loop = Path(cfg.loop.run_dir), cfg.loop
-    bar = Progress(loop.steps, loop.progress, plain_every=loop.log_every)
-    board = _tensorboard(cfg, run_dir)
-    history, streak, peak = [], 0, peak_flops(trainer.devices)
-    before_write = ckpt.wait_written if ckpt is not None else None  # a save may still read
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
-    timer = time.perf_counter()
+def _resume(cfg: Config, trainer, ckpt: Checkpointer | None):
+    """(state, first step, skipped steps) from the latest checkpoint, or (None, 0, 0)."""
+    if ckpt is None or not cfg.loop.resume or ckpt.latest_step() is None:
+        return None, 0, 0
+    step = ckpt.latest_step()
+    check_continues(cfg, ckpt.read_meta(step), ckpt.directory / str(step))
+    tree, meta = restore(ckpt, step, trainer, cfg)
+    return (trainer.from_tree(tree, step, meta.get("state", {})), meta["data_position"],
+            meta.get("skipped_steps", 0))
+
+
+def _begin(cfg: Config, lock: RunLock, start: int) -> None:
+    """The run has started: RUN_DIR created (and locked, if this run creates it), its config
+    written, its records cut back to `start`."""
+    run_dir = Path(cfg.loop.run_dir)
     try:
-        for step in range(start, loop.steps):
-            if ckpt is not None and ckpt.failed() is not None:
-                raise ckpt.failed()  # a save that failed ends the run
-            timeline = Timeline() if step == loop.timeline_step else None
-            state, metrics = trainer.train_step(state, data.batch_at(step), tracer=timeline,
-                                                before_write=before_write)
-            # The streaming engine has read it already; the reference trainer waits here.
-            was_skipped = bool(np.asarray(metrics.pop("skipped")))
-            skipped += was_skipped
-            streak = streak + 1 if was_skipped else 0
-            stop = streak >= loop.max_skipped_steps
-            if timeline is not None:
-                state.wait()
-                write_timeline(run_dir / "timeline.json", timeline.finish(), step + 1, cfg)
-            last = step + 1 == loop.steps
-            # A checkpoint waits for a step that updated the state: a run of skipped steps
-            # that ends in a stop leaves the checkpoints from before it.
-            if ckpt is not None and loop.checkpoint_every and not stop and \
-                    ((step + 1) % loop.checkpoint_every == 0 and not was_skipped or last):
-                ckpt.save(step + 1, trainer.state_tree(state),
-                          {**run_record(cfg, step + 1, skipped),
-                           "state": trainer.state_record(state)})
-            if val is not None and not stop and ((step + 1) % loop.eval_every == 0 or last):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock.hold()
+        save_config(cfg, run_dir / "config.json")
+        rewind(run_dir, start)
+    except OSError as e:
+        raise ConfigError(f"loop.run_dir {run_dir}: cannot write there "
+                          f"({e.strerror or e}); choose another loop.run_dir.") from None
+
+
+def _first_loss(run_dir: Path, history: list[dict]) -> float:
+    """The loss of the run's first recorded step: metrics.jsonl's first record, whichever
+    attempt of the run wrote it."""
+    records = read_records(run_dir / "metrics.jsonl")
+    return records[0]["loss"] if records else history[0]["loss"]
+
+
+# ----- the loop, phase by phase ------------------------------------------------------------
+
+class _Outputs:
+    """Where the loop's records go: metrics.jsonl, eval.jsonl, TensorBoard, the progress
+    output and the caller's `log`."""
+
+    def __init__(self, cfg: Config, start: int, log):
+        self.cfg, self.run_dir, self.log = cfg, Path(cfg.loop.run_dir), log
+        self.bar = Progress(cfg.loop.steps, cfg.loop.progress, plain_every=cfg.loop.log_every)
+        self.board = tensorboard(cfg, self.run_dir, start)
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+
+    def record(self, record: dict) -> None:
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        step = record["step"]
+        if self.board is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self.board.add_scalar(key, value, step)
+            self.board.flush()
+        shown = {"loss": record["loss"], "tok/s": record["tokens_per_s"]}
+        if record["mfu"] is not None:
+            shown["mfu"] = record["mfu"]
+        if self.cfg.stream.speculate != "off" and "speculated_parts" in record:
+            # of the host update that overlapped this step: parts guessed, and undone
+            shown["guessed"] = f"{record['speculated_parts']:.0f}"
+            shown["undone"] = f"{record['rolled_back_parts']:.0f}"
+        self.bar.update(step, shown)
+        if self.log:
+            self.log(record)
+
+    def eval_record(self, step: int, loss: float) -> None:
+        with open(self.run_dir / "eval.jsonl", "a") as eval_file:
+            eval_file.write(json.dumps({"step": step, "loss": loss}) + "\n")
+        if self.board is not None:
+            self.board.add_scalar("eval_loss", loss, step)
+        self.bar.note(f"step {step}: eval loss {loss:.4f}")
+
+    def close(self) -> None:
+        self.metrics_file.close()
+        self.bar.close()
+        if self.board is not None:
+            self.board.close()
+
+
+def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
+          val: TokenSource | None, ckpt: Checkpointer | None, log, stop):
+    """The steps from `tally.start`: (final state, the step a signal stopped the run at, or
+    None when it ran to loop.steps)."""
+    loop = cfg.loop
+    out = _Outputs(cfg, tally.start, log)
+    try:
+        for step in range(tally.start, loop.steps):
+            state, metrics, was_skipped = _step(cfg, trainer, state, data, step, ckpt, tally)
+            done, last = step + 1, step + 1 == loop.steps
+            halted = tally.streak >= loop.max_skipped_steps
+            stopping = requested(stop) and not last
+            # A save under way when a stop comes ends the run at its step; else one is taken.
+            pending = ckpt.saving() if stopping and ckpt is not None else None
+            saved = _save(cfg, trainer, state, ckpt, done, tally, was_skipped, halted,
+                          stopping and pending is None and loop.stop_save)
+            if val is not None and not halted and (done % loop.eval_every == 0 or last):
                 began = time.perf_counter()
-                eval_loss = evaluate(trainer, state, val, loop.eval_batches)
-                with open(run_dir / "eval.jsonl", "a") as eval_file:
-                    eval_file.write(json.dumps({"step": step + 1, "loss": eval_loss}) + "\n")
-                if board is not None:
-                    board.add_scalar("eval_loss", eval_loss, step + 1)
-                bar.note(f"step {step + 1}: eval loss {eval_loss:.4f}")
-                timer += time.perf_counter() - began  # not training time
-            if (step + 1) % loop.log_every and not last and step != start and not stop:
-                continue
-            record = {k: float(np.asarray(v)) for k, v in metrics.items()}
-            seconds = time.perf_counter() - timer  # the read above waited for the step
-            steps_done = step + 1 - (history[-1]["step"] if history else start)
-            tokens_per_s = steps_done * cfg.data.tokens_per_step / seconds
-            record.update(step=step + 1, skipped_steps=skipped,
-                          step_seconds=seconds / steps_done,
-                          tokens_per_s=tokens_per_s, **memory_record())
-            record["mfu"] = 6 * cfg.model.num_params * tokens_per_s / peak if peak else None
-            history.append(record)
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            if board is not None:
-                for key, value in record.items():
-                    if key != "step" and value is not None:
-                        board.add_scalar(key, value, step + 1)
-                board.flush()
-            shown = {"loss": record["loss"], "tok/s": tokens_per_s}
-            if record["mfu"] is not None:
-                shown["mfu"] = record["mfu"]
-            if cfg.stream.speculate != "off" and "speculated_parts" in record:
-                # of the host update that overlapped this step: parts guessed, and undone
-                shown["guessed"] = f"{record['speculated_parts']:.0f}"
-                shown["undone"] = f"{record['rolled_back_parts']:.0f}"
-            bar.update(step + 1, shown)
-            if log:
-                log(record)
-            if stop:
-                raise TrainingStopped(_stop_message(cfg, step + 1, streak, ckpt))
-            timer = time.perf_counter()
+                out.eval_record(done, evaluate(trainer, state, val, loop.eval_batches))
+                tally.timer += time.perf_counter() - began  # not training time
+            if saved or stopping or halted or last or step == tally.start or \
+                    done % loop.log_every == 0:
+                _record(cfg, out, metrics, done, tally)
+            if halted:
+                raise TrainingStopped(_halt_message(cfg, done, tally.streak, ckpt))
+            if stopping:
+                waited = pending is not None and loop.stop_save and not saved
+                return state, pending if waited else done
     finally:
-        metrics_file.close()
-        bar.close()
-        if board is not None:
-            board.close()
-    return history, state, skipped
+        out.close()
+    return state, None
 
 
-def _stop_message(cfg: Config, step: int, streak: int, ckpt: Checkpointer | None) -> str:
+def _step(cfg: Config, trainer, state, data: TokenSource, step: int,
+          ckpt: Checkpointer | None, tally: _Tally):
+    """Trains step `step` (0-based): (state, metrics, whether the step was skipped)."""
+    if ckpt is not None and ckpt.failed() is not None:
+        raise ckpt.failed()  # a save that failed ends the run
+    timeline = Timeline() if step == cfg.loop.timeline_step else None
+    before_write = ckpt.wait_written if ckpt is not None else None  # a save may still read
+    state, metrics = trainer.train_step(state, data.batch_at(step), tracer=timeline,
+                                        before_write=before_write)
+    # The streaming engine has read it already; the reference trainer waits here.
+    was_skipped = bool(np.asarray(metrics.pop("skipped")))
+    tally.skipped += was_skipped
+    tally.streak = tally.streak + 1 if was_skipped else 0
+    if timeline is not None:
+        state.wait()
+        write_timeline(Path(cfg.loop.run_dir) / "timeline.json", timeline.finish(), step + 1,
+                       cfg)
+    return state, metrics, was_skipped
+
+
+def _save(cfg: Config, trainer, state, ckpt: Checkpointer | None, done: int, tally: _Tally,
+          was_skipped: bool, halted: bool, stopping: bool) -> bool:
+    """Starts a checkpoint of step `done` where one is due (or a stop asks for one); whether
+    it did. A checkpoint waits for a step that updated the state: a run of skipped steps that
+    ends in a halt leaves the checkpoints from before it."""
+    every = cfg.loop.checkpoint_every
+    if ckpt is None or not every or halted:
+        return False
+    due = done == cfg.loop.steps or (done % every == 0 and not was_skipped)
+    if not (due or stopping):
+        return False
+    ckpt.save(done, trainer.state_tree(state),
+              {**run_record(cfg, done, tally.skipped), "state": trainer.state_record(state)})
+    return True
+
+
+def _record(cfg: Config, out: _Outputs, metrics: dict, done: int, tally: _Tally) -> None:
+    """Step `done`'s metric record, with the speed since the last record, written out."""
+    record = {k: float(np.asarray(v)) for k, v in metrics.items()}
+    seconds = time.perf_counter() - tally.timer  # the read above waited for the step
+    steps_done = done - (tally.history[-1]["step"] if tally.history else tally.start)
+    tokens_per_s = steps_done * cfg.data.tokens_per_step / seconds
+    record.update(step=done, skipped_steps=tally.skipped, step_seconds=seconds / steps_done,
+                  tokens_per_s=tokens_per_s, **memory_record())
+    peak = tally.peak
+    record["mfu"] = 6 * cfg.model.num_params * tokens_per_s / peak if peak else None
+    tally.history.append(record)
+    out.record(record)
+    tally.timer = time.perf_counter()
+
+
+def _interrupted(cfg: Config, stop, at: int, tally: _Tally,
+                 ckpt: Checkpointer | None) -> RunInterrupted:
+    """The run stopped on a signal at step `at`: once its checkpoints are complete (a failed
+    save raises here), the error that says where it stopped and how to resume."""
+    if ckpt is not None:
+        ckpt.wait()
+    latest = ckpt.latest_step() if ckpt is not None else None
+    folder = Path(cfg.loop.run_dir) / "checkpoints"
+    head = f"stopped by {stop.name} at step {at} of {cfg.loop.steps}"
+    if latest == at:
+        ended = tally.history[-1]["step"] if tally.history else at
+        if ended > at:  # the save under way was of an earlier step: the run ends there
+            rewind(Path(cfg.loop.run_dir), at)
+            again = f"step {ended}" if ended == at + 1 else f"steps {at + 1} to {ended}"
+            head += f" ({again} will be trained again)"
+        tail = f"checkpoint {at} is complete in {folder}; run the same command to resume"
+    else:
+        why = "loop.stop_save=false" if cfg.loop.checkpoint_every else "loop.checkpoint_every=0"
+        tail = (f"no checkpoint of it ({why}); " + (
+            f"run the same command to resume from checkpoint {latest} in {folder}"
+            if latest is not None else "the same command starts the run over"))
+    return RunInterrupted(f"{head}: {tail}.", stop.signal, at)
+
+
+def _halt_message(cfg: Config, step: int, streak: int, ckpt: Checkpointer | None) -> str:
     text = (f"training stopped at step {step}: steps {step - streak + 1} to {step} were all "
             f"skipped, their gradients not finite (loop.max_skipped_steps="
             f"{cfg.loop.max_skipped_steps}). ")
@@ -295,37 +355,3 @@ def _stop_message(cfg: Config, step: int, streak: int, ckpt: Checkpointer | None
     return (text + f"The latest checkpoint, step {steps[-1]}, holds the state from before them: "
             "lower optim.lr or check the data, then resume from it (with "
             "loop.accept_changes=true if the optimizer or data change).")
-
-
-def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
-               dtype: str | None = None, progress: str = "auto") -> Path:
-    """Writes checkpoint `step` (default: the latest) of a run as a Hugging Face folder.
-
-    `dtype` defaults to that of the checkpoint the run started from (model.hf_path), else
-    float32. Tokenizer files beside that checkpoint are copied along.
-    """
-    run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.loop.keep_checkpoints)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"{run_dir / 'checkpoints'} holds no complete checkpoint; train "
-                              "with loop.checkpoint_every=N to write some.")
-    trainer = make_trainer(cfg)
-    try:
-        tree, _ = restore(ckpt, step, trainer, cfg)
-    finally:
-        ckpt.close()
-    return _export(tree["params"], cfg, out_dir, dtype, progress)
-
-
-def _export(params: dict, cfg: Config, out_dir, dtype: str | None, progress: str) -> Path:
-    """Writes `params` as a Hugging Face folder, in the source checkpoint's dtype by default."""
-    source = cfg.model.hf_path if cfg.model.hf_path and Path(cfg.model.hf_path).is_dir() else None
-    if dtype is None:
-        source_config = hf.read_hf_config(source) if source else {}
-        dtype = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
-    bar = Progress(len(hf.shard_plan(cfg.model, dtype)), progress, label="export")
-    out = hf.save_params(params, cfg.model, out_dir, dtype=dtype, source=source, progress=bar)
-    bar.close()
-    return out

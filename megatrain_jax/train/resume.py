@@ -52,8 +52,25 @@ def _learning_rates(cfg: Config, steps: int) -> np.ndarray:
     return np.asarray(learning_rate(cfg)(np.arange(steps)))
 
 
-def planned_changes(cfg: Config, saved: dict) -> tuple[list[str], list[str]]:
-    """(what differs in the steps the checkpoint's run planned, ways to keep them)."""
+def _rate_change(before: np.ndarray, after: np.ndarray, step: int) -> str | None:
+    """How the learning rates of a plan's steps differ, counted from the checkpoint at
+    `step`: the first step to come whose rate changes, else the steps already trained whose
+    rates would have differed. Rates are per update: step k + 1 uses the rate at count k."""
+    differ = np.flatnonzero(before != after)
+    if not differ.size:
+        return None
+    ahead = differ[differ >= step]
+    if ahead.size:
+        k = int(ahead[0])
+        return f"the learning rate from step {k + 1} on ({before[k]:.6g} -> {after[k]:.6g} there"
+    k, last = int(differ[0]), int(differ[-1])
+    return (f"the learning rate of steps {k + 1} to {last + 1}, already trained under the "
+            f"checkpoint's schedule ({before[k]:.6g} -> {after[k]:.6g} at step {k + 1}")
+
+
+def planned_changes(cfg: Config, saved: dict, step: int = 0) -> tuple[list[str], list[str]]:
+    """(what differs in the steps the checkpoint's run planned, ways to keep them), for a
+    checkpoint at `step`."""
     old = _saved_config(cfg, saved)
     now, then = to_dict(cfg), to_dict(old)
     changes = [f"optim.{k}: {then['optim'][k]!r} -> {now['optim'][k]!r}"
@@ -62,10 +79,8 @@ def planned_changes(cfg: Config, saved: dict) -> tuple[list[str], list[str]]:
                 for k in DATA_KEYS if then["data"][k] != now["data"][k]]
     hints = []
     planned = old.loop.steps
-    before, after = _learning_rates(old, planned), _learning_rates(cfg, planned)
-    differ = np.flatnonzero(before != after)
-    if differ.size:
-        first = int(differ[0])  # the update of step first + 1 uses the rate at count `first`
+    rates = _rate_change(_learning_rates(old, planned), _learning_rates(cfg, planned), step)
+    if rates:
         causes = [f"schedule.{k}: {then['schedule'][k]!r} -> {now['schedule'][k]!r}"
                   for k in now["schedule"] if then["schedule"][k] != now["schedule"][k]]
         if old.optim.lr != cfg.optim.lr:
@@ -76,8 +91,7 @@ def planned_changes(cfg: Config, saved: dict) -> tuple[list[str], list[str]]:
                           "schedule.decay_steps=0 (decay until loop.steps)")
             if old.schedule.decay_steps == 0:
                 hints.append(f"keep the schedule with schedule.decay_steps={old.loop.steps}")
-        changes.append(f"the learning rate from step {first + 1} on ({before[first]:.6g} -> "
-                       f"{after[first]:.6g} there; {', '.join(causes) or 'the schedule'})")
+        changes.append(f"{rates}; {', '.join(causes) or 'the schedule'})")
     return changes, hints
 
 
@@ -106,9 +120,8 @@ def restore(ckpt, step: int, trainer, cfg: Config) -> tuple[dict, dict]:
     return compact.convert(tree, trainer.abstract_state(), put), meta
 
 
-def check_continues(cfg: Config, meta: dict, folder: Path) -> None:
-    """Refuses to resume from the checkpoint in `folder` (whose record is `meta`) a run that
-    would not continue it: another model, a finished run, or changed planned steps."""
+def check_model(cfg: Config, meta: dict, folder: Path) -> None:
+    """Refuses a checkpoint (in `folder`, its record `meta`) of another model than cfg's."""
     saved = meta.get("config") or {}
     then, now = saved.get("model", meta.get("model", {})), to_dict(cfg)["model"]
     differ = sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k))
@@ -117,6 +130,14 @@ def check_continues(cfg: Config, meta: dict, folder: Path) -> None:
                            for k in differ[:5])
         raise CheckpointError(f"checkpoint {folder} is of another model ({detail}). Use "
                               "another loop.run_dir, or move its checkpoints away.")
+
+
+def check_continues(cfg: Config, meta: dict, folder: Path) -> None:
+    """Refuses to resume from the checkpoint in `folder` (whose record is `meta`) a run that
+    would not continue it: another model, fewer steps than it holds, or changed planned
+    steps. (A checkpoint at loop.steps is a finished run: `startup.finished_summary`.)"""
+    check_model(cfg, meta, folder)
+    saved = meta.get("config") or {}
     stored = stored_state_dtype(meta)
     if saved and stored != cfg.optim.state_dtype and not cfg.loop.accept_changes:
         raise CheckpointError(
@@ -129,12 +150,12 @@ def check_continues(cfg: Config, meta: dict, folder: Path) -> None:
     if step >= cfg.loop.steps:
         keep = (f" with schedule.decay_steps={old.loop.steps} to keep the learning rates "
                 "already used" if saved and old.schedule.decay_steps == 0 else "")
-        raise CheckpointError(f"{folder.parent} already holds step {step}, and loop.steps is "
-                              f"{cfg.loop.steps}: raise loop.steps to train on{keep}, or use "
-                              "another loop.run_dir.")
+        raise ConfigError(f"{folder.parent} already holds step {step}, past loop.steps="
+                          f"{cfg.loop.steps}: set loop.steps to {step} or more to go on from "
+                          f"it{keep}, or use another loop.run_dir.")
     if not saved or cfg.loop.accept_changes:
         return
-    changes, hints = planned_changes(cfg, saved)
+    changes, hints = planned_changes(cfg, saved, step)
     if changes:
         ways = " or ".join(hints + ["accept the change with loop.accept_changes=true"])
         raise ConfigError(

@@ -21,10 +21,13 @@ import jax
 
 from megatrain_jax import model, optim
 from megatrain_jax.config import Config, ConfigError, layer_grad_dtype, memory
+from megatrain_jax.config.schema import pinned
 from megatrain_jax.io import hf
 from megatrain_jax.model import replay
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
 from megatrain_jax.stream.mesh import make_mesh
+from megatrain_jax.tools import plan, planner, presets
+from megatrain_jax.tools.probe import host_memory_available
 from megatrain_jax.tools.progress import Progress
 from megatrain_jax.train.reference import ReferenceTrainer
 
@@ -68,21 +71,23 @@ def llama_templates(config: Config, devices: int = 1) -> Templates:
 
 
 class StreamTrainer:
-    """The Llama-family model on the streaming engine."""
+    """The Llama-family model on the streaming engine, placed as its config's placement keys
+    say (resolved by the planner here where some are `auto`: tools/planner.py)."""
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
         mesh = mesh_for(cfg)
-        gpu, n = device_memory_bytes(), mesh.size if mesh else 1
+        n = mesh.size if mesh else 1
+        check_pins(cfg, mesh)
+        self.cfg = cfg = placed(cfg, n)
+        plan = memory.plan_of(cfg)
         self.engine = StreamEngine(
-            llama_templates(cfg, mesh.size if mesh else 1), optim.build_stream_optimizer(cfg),
+            llama_templates(cfg, n), optim.build_stream_optimizer(cfg),
             clip_norm=cfg.optim.clip_norm, prefetch_depth=cfg.stream.prefetch_depth,
-            saved_inputs=saved_inputs(cfg, mesh), micro_batches=cfg.data.micro_batches,
-            learning_rate=optim.learning_rate(cfg), resident_layers=cfg.stream.resident_layers,
+            saved_inputs=plan.host_inputs, micro_batches=cfg.data.micro_batches,
+            learning_rate=optim.learning_rate(cfg), resident_layers=plan.resident_layers,
             speculate=cfg.stream.speculate, speculate_share=cfg.stream.speculate_share,
-            mesh=mesh, keep_attention=keep_attention(cfg, mesh), keep_layers=keep_layers(cfg, mesh),
-            keep_weights=memory.keep_weights_layers(cfg, gpu, n),
-            resident_embeddings=memory.embeddings_resident(cfg, gpu, n),
+            mesh=mesh, keep_attention=plan.attention_layers, keep_layers=plan.saving_layers,
+            keep_weights=plan.weight_layers, resident_embeddings=plan.resident_embeddings,
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go
@@ -122,39 +127,36 @@ class StreamTrainer:
                            last_grad_norm=(record or {}).get("last_grad_norm"))
 
 
-def saved_inputs(cfg: Config, mesh) -> str | int:
-    """`stream.saved_inputs` for the engine: `auto` becomes the count of layers whose inputs
-    wait on pinned host, from what XLA may allocate on the first device (config/memory.py's
-    arithmetic, the planner's); all on the device where that is not known (the CPU)."""
-    if cfg.stream.saved_inputs != "auto":
-        return cfg.stream.saved_inputs
-    return memory.saved_on_host(cfg, device_memory_bytes(), mesh.size if mesh else 1)
+def placed(cfg: Config, devices: int) -> Config:
+    """cfg with its placement decided for `devices` of these GPUs, where the planner has not
+    decided it yet (`megatrain-jax train` has, before JAX started): within
+    stream.gpu_budget_gb of what XLA may allocate on each (nothing placed on a device whose
+    memory is unknown, such as the CPU, without a budget), the host memory available, at the
+    rates of this GPU's preset."""
+    if plan.is_resolved(cfg):
+        return cfg
+    rates = presets.preset_for(jax.local_devices()[0].device_kind).rates(cfg, devices)
+    return planner.resolve(cfg, plan.gpu_budget(cfg, device_memory_bytes()),
+                           host_memory_available(), devices, rates)
 
 
-def keep_attention(cfg: Config, mesh) -> int:
-    """`stream.keep_attention` for the engine: how many of the last layers keep their
-    attention for the backward (config/memory.py's arithmetic, the planner's). `on` is refused
-    with the fix where it cannot be kept; `auto` keeps none there."""
-    path = model.attention_path(cfg.model, cfg.data.seq_len)
-    keeps = replay.keeps(path)
-    if cfg.stream.keep_attention == "on":
+def check_pins(cfg: Config, mesh) -> None:
+    """Refuses, with the fix, placement pins the engine cannot run: kept attention where the
+    attention cannot keep it or over several GPUs, saving layers over several GPUs."""
+    s = cfg.stream
+    attention = s.keep_attention == "on" or (pinned(s.keep_attention) or 0) > 0
+    if attention:
+        path = model.attention_path(cfg.model, cfg.data.seq_len)
         why = ("several GPUs (mesh.data)" if mesh is not None else
-               None if keeps else f"the {path} attention of {cfg.data.seq_len:,}-token rows")
+               None if replay.keeps(path) else
+               f"the {path} attention of {cfg.data.seq_len:,}-token rows")
         if why:
-            raise ConfigError(f"stream.keep_attention=on cannot keep the attention with {why}: "
-                              f"it keeps cuDNN's or the blockwise attention's, on one GPU; "
-                              f"set stream.keep_attention=auto or off")
-    if not keeps or mesh is not None:
-        return 0
-    return memory.keep_attention_layers(cfg, device_memory_bytes())
-
-
-def keep_layers(cfg: Config, mesh) -> int:
-    """`stream.keep_layers` for the engine, refused with the fix over several GPUs."""
-    if cfg.stream.keep_layers and mesh is not None:
-        raise ConfigError(f"stream.keep_layers={cfg.stream.keep_layers} runs on one GPU; over "
-                          f"several (mesh.data) set stream.keep_layers=0")
-    return cfg.stream.keep_layers
+            raise ConfigError(f"stream.keep_attention={s.keep_attention} cannot keep the "
+                              f"attention with {why}: it keeps cuDNN's or the blockwise "
+                              f"attention's, on one GPU; set stream.keep_attention=auto or off")
+    if (pinned(s.keep_layers) or 0) > 0 and mesh is not None:
+        raise ConfigError(f"stream.keep_layers={s.keep_layers} runs on one GPU; over several "
+                          f"(mesh.data) set stream.keep_layers=0 or auto")
 
 
 def device_memory_bytes() -> int | None:

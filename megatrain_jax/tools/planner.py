@@ -1,0 +1,255 @@
+"""The placement planner: one decision, made once before the engine is built, of where each
+part's state and each layer's activations live, under a GPU budget and a host budget.
+
+    planned = plan_placement(cfg, gpu=134 * GiB, host=125 * GiB, devices=1, rates=rates)
+    planned.plan            # memory.PlacementPlan: resident, saving, keeping layers, ...
+    planned.step_s          # the bound it minimizes; planned.device, planned.host_total
+    cfg = resolve(cfg, gpu, host, devices, rates)   # every `auto` placement key pinned
+
+The choices (memory.PlacementPlan): the first R layers' state resident on the GPU (updated
+there: no host update, no transfers for them), the embedding and head resident or not, the
+last S layers saving their activations (no recompute), A layers before those keeping their
+attention (rows of auto.KEEP_ATTENTION_FROM tokens or more), W streamed layers keeping the
+weights their forward fetched, and the first H layers' saved inputs waiting on the host.
+
+What a byte of GPU room buys is read off the step's bound (tools/roofline.py): resident state
+removes its share of the host update, of the host memory's traffic and of both transfers;
+saved activations remove most of a forward from a layer's backward; kept attention the
+attention's forward; kept weights one weight pass through the link and the host memory;
+inputs kept on the GPU their two trips. The planner searches every (R, S, embeddings, A) the
+budgets and pins allow, at once as arrays; for each it keeps inputs on the GPU as far as the
+room allows and fills the rest with kept weights, which is never worse: an input byte on the
+GPU saves at least the link and host memory bytes a kept-weight byte saves (its trip back in
+the backward) and also its trip out in the forward. It minimizes the mean of two bounds: a
+step that clips (no update during the backward: every step of a fresh run or a fine-tune)
+and one that does not (tests/test_planner.py checks this against exhaustive search). Ties go
+to more resident and saving layers: the GPU's room is part of the home.
+
+A placement key set in the config (a number, on or off) pins that choice; the planner places
+the rest around it. An unknown GPU budget (a CPU) places nothing on the GPU but the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from megatrain_jax.config import Config, ConfigError, auto, memory
+from megatrain_jax.config.memory import HEADROOM, PlacementPlan
+from megatrain_jax.config.schema import pinned
+from megatrain_jax.tools import roofline
+
+GiB = 2**30
+# The planner weighs each placement at the given rates and at a host this much slower (its
+# memory and its update): the same kind of host varies by about a third between machines
+# (117-166 GB/s), and a placement the host barely keeps pace with is the first to lose.
+SLOWER_HOST = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """A placement with what the planner predicts of it."""
+
+    plan: PlacementPlan
+    step_s: float  # what the planner minimizes: the mean of the two bounds below, at the
+    # rates and at a slower host (SLOWER_HOST)
+    clipping_s: float  # a step that clips: the update after the backward
+    guessing_s: float  # a step that does not: the best share of it during the backward
+    limited_by: str  # the largest cost of the step that clips
+    device: dict  # each GPU's bytes by component
+    host_total: int  # the host's bytes, state and overhead
+    gpu_budget: int | None  # the room it was fitted in (None: unknown)
+
+
+def plan_placement(cfg: Config, gpu: int | None, host: int | None, devices: int,
+                   rates: roofline.Rates) -> Planned:
+    """The placement of cfg's streamed step that minimizes its bound at `rates`, within
+    `gpu` bytes of each of `devices` GPUs (None: unknown, nothing placed there) and `host`
+    bytes of host memory (None: unknown, unbounded). Refuses, with the numbers, where no
+    placement fits."""
+    grid = _candidates(cfg, gpu, devices)
+    fitting = grid["device_total"] <= (np.inf if gpu is None else gpu - HEADROOM)
+    fitting &= grid["host_total"] <= (np.inf if host is None else host)
+    if not fitting.any():
+        raise ConfigError(_refusal(cfg, grid, gpu, host))
+    grid = {name: values[fitting] for name, values in grid.items()}
+    clipping, guessing = _bounds(cfg, grid, rates, devices)
+    slow = dataclasses.replace(rates, host_memory_gbps=rates.host_memory_gbps * SLOWER_HOST,
+                               optimizer_gparams=rates.optimizer_gparams * SLOWER_HOST)
+    objective = (clipping + guessing + sum(_bounds(cfg, grid, slow, devices))) / 4
+    best = objective.min()
+    tied = np.flatnonzero(objective <= best * (1 + 1e-9))
+    order = np.lexsort(tuple(-grid[key][tied] for key in reversed(_TIE_ORDER)))
+    k = tied[order[0]]
+    plan = _plan_at(grid, k)
+    limited = roofline.bound_of(cfg, plan, rates, devices)["limited_by"]
+    return Planned(plan, float(objective[k]), float(clipping[k]), float(guessing[k]), limited,
+                   memory.device_bytes(cfg, plan, devices),
+                   int(grid["host_total"][k]), gpu)
+
+
+def closest(cfg: Config, gpu: int | None, devices: int) -> PlacementPlan:
+    """Where no placement fits: the one that needs the least host memory among those that fit
+    the GPU, or the least GPU memory where none does (what `plan` shows the numbers of)."""
+    grid = _candidates(cfg, gpu, devices)
+    on_gpu = grid["device_total"] <= (np.inf if gpu is None else gpu - HEADROOM)
+    need = np.where(on_gpu, grid["host_total"], np.inf) if on_gpu.any() else grid["device_total"]
+    return _plan_at(grid, int(np.argmin(need)))
+
+
+def _plan_at(grid: dict, k: int) -> PlacementPlan:
+    plan = PlacementPlan(**{key: int(grid[key][k]) for key in _PLAN_KEYS})
+    return dataclasses.replace(plan, resident_embeddings=bool(plan.resident_embeddings))
+
+
+_PLAN_KEYS = ("resident_layers", "resident_embeddings", "saving_layers", "attention_layers",
+              "weight_layers", "host_inputs")
+_TIE_ORDER = ("resident_layers", "saving_layers", "resident_embeddings", "attention_layers",
+              "weight_layers")
+
+
+def resolve(cfg: Config, gpu: int | None, host: int | None, devices: int,
+            rates: roofline.Rates) -> Config:
+    """cfg with every placement key the planner's choice (or as pinned)."""
+    return pinned_config(cfg, plan_placement(cfg, gpu, host, devices, rates).plan)
+
+
+def pinned_config(cfg: Config, plan: PlacementPlan) -> Config:
+    """cfg with its placement keys set to `plan`: the engine's numbers, nothing left auto."""
+    return memory.replaced(
+        cfg, "stream", resident_layers=str(plan.resident_layers),
+        resident_embeddings="on" if plan.resident_embeddings else "off",
+        keep_layers=str(plan.saving_layers), keep_attention=str(plan.attention_layers),
+        keep_weights=str(plan.weight_layers),
+        saved_inputs="device" if plan.host_inputs == 0 else str(plan.host_inputs))
+
+
+# ----- the search ------------------------------------------------------------------------
+
+
+def _options(value: str, auto_range: range, words: dict | None = None) -> np.ndarray:
+    """A placement key's values to search: its pin, or every value of `auto_range`."""
+    count = pinned(value)
+    if count is not None:
+        return np.array([count])
+    if words and value in words:
+        return np.array([words[value]])
+    return np.array(list(auto_range))
+
+
+def _candidates(cfg: Config, gpu: int | None, devices: int) -> dict:
+    """Every placement the pins allow as arrays, one element a placement, with their inputs
+    and kept weights filled into each one's room, and their bytes."""
+    s, layers, known = cfg.stream, cfg.model.layers, gpu is not None
+    room_for = range(layers + 1) if known else range(1)
+    resident = _options(s.resident_layers, room_for)
+    saving = _options(s.keep_layers, room_for if devices == 1 else range(1))
+    embeddings = _options(s.resident_embeddings, range(2) if known else range(1),
+                          {"on": 1, "off": 0})
+    r, sv, e = (a.ravel() for a in np.meshgrid(resident, saving, embeddings, indexing="ij"))
+    grids = [_filled(cfg, r, sv, e, a, gpu, devices)
+             for a in _attention_options(cfg, known, devices)]
+    return {key: np.concatenate([g[key] for g in grids]) for key in grids[0]}
+
+
+def _attention_options(cfg: Config, known: bool, devices: int) -> list[int]:
+    """The counts of layers keeping their attention to search (before the saving layers,
+    which are subtracted later): the pin, or, where rows are long enough and the attention
+    can keep it on one GPU, every count."""
+    s, layers = cfg.stream, cfg.model.layers
+    count = pinned(s.keep_attention)
+    if count is not None:
+        return [count]
+    if s.keep_attention == "on":
+        return [layers]  # every layer that does not save: clipped per candidate
+    long_rows = cfg.data.seq_len >= auto.KEEP_ATTENTION_FROM
+    if s.keep_attention == "off" or not (known and long_rows and keeps_attention(cfg, devices)):
+        return [0]
+    return list(range(layers + 1))
+
+
+def keeps_attention(cfg: Config, devices: int) -> bool:
+    """Whether cfg's layers can keep their attention for the backward: the cuDNN or the
+    blockwise attention, on one GPU."""
+    path = memory.activations(cfg)["attention"]
+    return devices == 1 and path in auto.KEEPS_ATTENTION
+
+
+def _filled(cfg: Config, r, sv, e, attention: int, gpu, n: int) -> dict:
+    """The candidates (r, sv, e) with `attention` layers keeping their attention: their saved
+    inputs on the GPU as far as the room holds, kept weights in the rest, and their bytes."""
+    s, layers = cfg.stream, cfg.model.layers
+    local = memory.local_config(cfg, n)
+    per_input = memory.saved_per_layer(local)
+    inputs = layers - sv
+    a = np.minimum(attention, inputs)
+    zero = np.zeros_like(r)
+    plan = PlacementPlan(r, e, sv, a, zero, inputs)  # every input on the host: the rest's bytes
+    held = memory.device_bytes(cfg, plan, n)
+    room = (np.inf if gpu is None else gpu - HEADROOM) - (
+        sum(held.values()) - held["saved_inputs"] - held["resident_gradients"])
+    if s.saved_inputs == "pinned_host":
+        host = inputs
+    elif s.saved_inputs == "device" or gpu is None:
+        host = zero
+    else:  # as many on the GPU as fit, room kept for SAVED_IN_FLIGHT coming back
+        all_fit = inputs * per_input <= room
+        on_gpu = np.clip((room - memory.SAVED_IN_FLIGHT * per_input) // per_input, 0, inputs)
+        host = np.where(all_fit, 0, inputs - on_gpu).astype(np.int64)
+    plan = dataclasses.replace(plan, host_inputs=host)
+    left = room - memory.inputs_on_gpu(cfg, plan) * per_input
+    plan = dataclasses.replace(plan, weight_layers=_kept_weights(
+        cfg, np.maximum(0, layers - sv - r), left, n))
+    host_state = memory.host_state_bytes(cfg, plan, n)
+    pinned_bytes = sum(host_state.values())
+    return {**{key: getattr(plan, key) for key in _PLAN_KEYS},
+            "device_total": sum(memory.device_bytes(cfg, plan, n).values()),
+            "host_total": pinned_bytes + sum(memory.host_overhead(cfg, pinned_bytes, n).values())}
+
+
+def _kept_weights(cfg: Config, twice, left, devices: int):
+    """stream.keep_weights for each candidate: its pin (within the layers fetched twice), or
+    as many as the room left holds beside one more layer's working set (the kept tensors are
+    made all through the forward; the backward's temporaries need one piece free)."""
+    value = cfg.stream.keep_weights
+    if value.isdigit():
+        return np.minimum(int(value), twice)
+    if value in ("on", "off"):
+        return twice if value == "on" else np.zeros_like(twice)
+    if not np.isfinite(left).all():
+        return np.zeros_like(twice)  # the room unknown: none
+    working = memory.activations(memory.local_config(cfg, devices))["working_set_total"]
+    fit = (left - working) // memory.weights_per_layer(cfg, devices)
+    return np.clip(fit, 0, twice).astype(np.int64)
+
+
+def _bounds(cfg: Config, grid: dict, rates: roofline.Rates, devices: int):
+    """(bound of a step that clips, bound of one that does not) of every candidate."""
+    clipping = roofline.bound_of(cfg, grid, rates, devices, 0.0)["step_s"]
+    guess = (cfg.stream.speculate != "off" and roofline.can_guess(cfg)
+             and rates.overlapped_update)
+    if not guess:
+        return clipping, clipping
+    shares = roofline.SHARES[roofline.SHARES <= cfg.stream.speculate_share + 1e-9][:, None]
+    return clipping, roofline.bound_of(cfg, grid, rates, devices, shares)["step_s"].min(axis=0)
+
+
+def _refusal(cfg: Config, grid: dict, gpu: int | None, host: int | None) -> str:
+    """Why no placement fits, with the numbers."""
+    m, budget = cfg.model, np.inf if gpu is None else gpu - HEADROOM
+    on_gpu = grid["device_total"] <= budget
+    size = f"{m.num_params / 1e9:.2f}B params"
+    if not on_gpu.any():
+        least = grid["device_total"].min() + HEADROOM
+        return (f"The step of this model ({size}, {cfg.data.tokens_per_step:,} tokens) needs "
+                f"at least {least / GiB:.1f} GiB of GPU memory with nothing resident, but the "
+                f"GPU budget is {gpu / GiB:.1f} GiB: lower the tokens a micro-batch "
+                "(data.micro_batches, data.seq_len), or raise stream.gpu_budget_gb.")
+    least = grid["host_total"][on_gpu].min()
+    most = grid["resident_layers"][on_gpu].max()
+    return (f"The model needs {least / GiB:.1f} GiB of host memory ({size} in fp32 with "
+            f"{cfg.optim.name} state; the GPU holds {most} of its {m.layers} layers' state "
+            f"within its {(gpu or 0) / GiB:.1f} GiB budget) but only {host / GiB:.1f} GiB is "
+            "available: use a smaller model, optim.state_dtype=bfloat16 or int8, or a machine "
+            "with more memory (`megatrain-jax plan` shows the largest shape that fits).")

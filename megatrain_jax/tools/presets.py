@@ -1,0 +1,100 @@
+"""Built-in rates of the machines the planner knows, for when none were measured here.
+
+    machine = preset_for("NVIDIA H200")           # by the GPU's name (nvidia-smi, JAX)
+    rates = machine.rates(cfg)                     # roofline.Rates at cfg's shape and batch
+
+A preset holds what a step's bound needs from a machine: the link's rates both ways, the
+host memory's bandwidth and what the transfers take of the update's, the host AdamW's rate,
+the GPU memory's bandwidth, and the GPU's layer speed as a rate of FLOPs, taken from one
+measured layer (7b's width at 16 x 1024 tokens) and scaled by each model's FLOPs. `plan
+--measure` measures all of them on the machine instead (tools/measure.py); a run records
+which it planned with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatrain_jax.config import Config
+from megatrain_jax.tools.roofline import Rates
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    name: str
+    source: str  # where the figures come from: "measured" here, or "published"
+    h2d_gbps: float
+    d2h_gbps: float
+    host_memory_gbps: float
+    optimizer_gparams: float  # the host AdamW alone, fp32 moments
+    update_loss_h2d: float
+    update_loss_d2h: float
+    device_memory_gbps: float
+    layer_tflops: float  # a layer's forward FLOPs over its time
+    backward_ratio: float  # a layer's backward with its recompute over its forward
+    head_tflops: float  # the head's and the loss's forward and backward, and the embedding's
+
+    def rates(self, cfg: Config, devices: int = 1) -> Rates:
+        """The roofline's rates for a step of `cfg` on `devices` of this machine's GPUs (the
+        step's rows split over them, each with its own link; one host)."""
+        forward = layer_flops(cfg) / (self.layer_tflops * 1e12 * devices)
+        return Rates(
+            h2d_gbps=self.h2d_gbps * devices, d2h_gbps=self.d2h_gbps * devices,
+            layer_forward_s=forward, layer_backward_s=forward * self.backward_ratio,
+            head_s=head_flops(cfg) / (self.head_tflops * 1e12 * devices),
+            optimizer_gparams=self.optimizer_gparams,
+            overlapped_update=cfg.stream.update != "device",
+            host_memory_gbps=self.host_memory_gbps, update_loss_h2d=self.update_loss_h2d,
+            update_loss_d2h=self.update_loss_d2h, device_memory_gbps=self.device_memory_gbps)
+
+
+def layer_flops(cfg: Config) -> float:
+    """FLOPs of one layer's forward over the step's tokens: its matmuls, and the causal
+    attention's two products over half the scores."""
+    m, d = cfg.model, cfg.data
+    tokens = d.tokens_per_step
+    return 2 * m.params_per_layer * tokens + attention_flops(cfg)
+
+
+def attention_flops(cfg: Config) -> float:
+    """FLOPs of one layer's causal attention forward: QK^T and PV over half the scores."""
+    m, d = cfg.model, cfg.data
+    return 2 * d.tokens_per_step * d.seq_len * m.heads * m.dh
+
+
+def head_flops(cfg: Config) -> float:
+    """FLOPs of the head's forward and backward over the step's tokens."""
+    m = cfg.model
+    return 6 * m.vocab_size * m.hidden * cfg.data.tokens_per_step
+
+
+# Measured on the H200 box (16 cores, PCIe Gen5, 125 GiB host) for 7b at 16 x 1024 tokens:
+# forward 10.48 ms and backward 28.9 ms a layer, head and embedding backward 54.0 ms; the link
+# 53.3 GB/s each way; host memory about 140 GB/s (117-166 between hosts), the update losing
+# 0.19 of its rate beside a copy in and 0.24 beside one out; the host AdamW 5.0 G params/s.
+_7B = dict(layer_tflops=646.0, backward_ratio=2.76, head_tflops=238.0)
+PRESETS = {
+    "H200": Machine("H200", "measured", 53.3, 53.3, 140.0, 5.0, 0.19, 0.24, 4800.0, **_7B),
+    # H100 SXM on a PCIe Gen5 host: the same dense bf16 peak as the H200, slower HBM.
+    "H100": Machine("H100", "measured", 53.3, 53.3, 140.0, 5.0, 0.19, 0.24, 3350.0,
+                    layer_tflops=610.0, backward_ratio=2.76, head_tflops=225.0),
+    # H100 PCIe: 756 of the SXM's 989 dense bf16 TFLOP/s, 2.0 TB/s HBM.
+    "H100 PCIe": Machine("H100 PCIe", "published", 53.3, 53.3, 140.0, 5.0, 0.19, 0.24, 2000.0,
+                         layer_tflops=466.0, backward_ratio=2.76, head_tflops=172.0),
+    # GH200: NVLink-C2C measured at about 375 GB/s to the GPU and 297 back; LPDDR5X about
+    # 480 GB/s shared by the update and both copy streams; 72 Grace cores.
+    "GH200": Machine("GH200", "published", 375.0, 297.0, 480.0, 15.0, 0.3, 0.3, 4000.0,
+                     layer_tflops=646.0, backward_ratio=2.76, head_tflops=238.0),
+}
+DEFAULT = "H200"
+
+
+def preset_for(device_name: str | None) -> Machine:
+    """The preset of a GPU by its name (`NVIDIA H200`, `NVIDIA H100 80GB HBM3`, `NVIDIA
+    GH200 480GB`); the H200's where the name is unknown."""
+    name = (device_name or "").upper()
+    if "GH200" in name:
+        return PRESETS["GH200"]
+    if "H100" in name:
+        return PRESETS["H100 PCIe" if "PCIE" in name else "H100"]
+    return PRESETS["H200" if "H200" in name else DEFAULT]

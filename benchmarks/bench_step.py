@@ -14,7 +14,7 @@ into tokens/s.
 The roofline inputs (H2D and D2H bandwidth, one layer's forward and backward, the head, the
 optimizer's rate, the host memory's bandwidth) are measured in the same process, after the
 timed steps, and the JSON carries the bound and the ratio achieved / bound
-(megatrain_jax/tools/roofline.py, tools/measure.py, docs/design.md). The optimizer's rate is
+(megatrain_jax/planning/roofline.py, tools/measure.py, docs/design.md). The optimizer's rate is
 the model's own update in the `--phases` steps (median), else a 64M sample's.
 With `--sweep`, the output is a JSON list, one object per batch size.
 """
@@ -38,15 +38,15 @@ from common import tokens_per_s as steps_tokens_per_s  # noqa: E402
 
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
 from megatrain_jax.config.memory import plan_of  # noqa: E402
-from megatrain_jax.tools import plan  # noqa: E402  (no JAX yet: the pool is sized first)
-from megatrain_jax.tools.roofline import (  # noqa: E402
+from megatrain_jax.planning.presets import at_optimizer_rate  # noqa: E402
+from megatrain_jax.planning.roofline import (  # noqa: E402
     Rates,
-    at_optimizer_rate,
     bound_for,
     bound_of,
     host_params,
     update_bytes,
 )
+from megatrain_jax.tools import plan  # noqa: E402  (no JAX yet: the pool is sized first)
 
 
 def main() -> None:

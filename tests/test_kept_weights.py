@@ -13,7 +13,8 @@ from conftest import Transfers, tiny
 from megatrain_jax import model
 from megatrain_jax.config import ConfigError, load_config, memory
 from megatrain_jax.io.data import TokenSource
-from megatrain_jax.tools import plan, roofline
+from megatrain_jax.planning import roofline
+from megatrain_jax.tools import plan
 from megatrain_jax.train import StreamTrainer, trainers
 
 GiB = 2**30

@@ -6,7 +6,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "megatrain_jax"
 # Lower layers never import higher ones; a step reads top to bottom in this order.
-LAYERS = ["config", "model", "optim", "stream", "io", "train", "tools", "streaming", "cli"]
+LAYERS = ["config", "model", "optim", "stream", "io", "planning", "train", "tools", "streaming",
+          "cli"]
 
 
 def _modules():

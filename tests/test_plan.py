@@ -10,7 +10,8 @@ import pytest
 
 from megatrain_jax.cli import main
 from megatrain_jax.config import ConfigError, load_config, memory, shipped_configs
-from megatrain_jax.tools import measure, plan, roofline
+from megatrain_jax.planning import presets, roofline
+from megatrain_jax.tools import measure, plan
 
 GiB = 2**30
 # Rates measured on the H200 for 7b at 16 x 1024 tokens, without the host memory's
@@ -99,7 +100,7 @@ def test_compute_bound_tokens_is_where_compute_outlasts_transfers_and_updates():
     tokens = roofline.compute_bound_tokens(cfg.model, rates, 16384)
 
     def compute_bound(t):
-        b = roofline.bound(cfg.model, roofline.scaled(rates, t / 16384))
+        b = roofline.bound(cfg.model, presets.scaled(rates, t / 16384))
         paced = max(b["h2d_per_pass_s"], b["optimizer_s"])
         return b["compute_forward_s"] >= paced * (1 - 1e-9) and \
             b["compute_backward_s"] >= max(b["h2d_per_pass_s"], b["d2h_s"]) * (1 - 1e-9)
@@ -505,7 +506,7 @@ def test_plan_extrapolates_a_measured_run_to_another_depth(capsys, tmp_path):
     assert main(["plan", "120b", "data.batch_size=64", "--host-gb", "2000", "--gpu-gb", "140",
                  "--rates", str(rates_file)]) == 0
     wide = roofline.bound_for(memory.resolved(load_config("120b", ["data.batch_size=64"]), gpu),
-                              roofline.scaled(rates, 4))["step_s"]
+                              presets.scaled(rates, 4))["step_s"]
     assert f"expected step: {wide * 1.25:.3f} s" in capsys.readouterr().out
     assert main(["plan", "7b", "--rates", str(rates_file)]) == 2
     assert "measured on a model of another width" in capsys.readouterr().err

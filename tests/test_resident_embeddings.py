@@ -14,8 +14,9 @@ from conftest import Transfers, agrees_with_reference_while_clipping, tiny
 from megatrain_jax import model
 from megatrain_jax.config import load_config, memory
 from megatrain_jax.io.data import TokenSource
+from megatrain_jax.planning import roofline
 from megatrain_jax.stream.placement import memory_kinds
-from megatrain_jax.tools import plan, roofline
+from megatrain_jax.tools import plan
 from megatrain_jax.train import StreamTrainer, trainers
 
 GiB = 2**30

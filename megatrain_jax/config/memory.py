@@ -7,7 +7,7 @@ embeddings, saved activations and inputs, kept attention and weights), and the h
     device = device_bytes(cfg, plan, devices=1)      # {component: bytes} on each GPU
     host = host_state_bytes(cfg, plan, devices=1)    # {component: bytes} pinned on the host
 
-Which placement a run takes is the planner's decision (tools/planner.py), made once from
+Which placement a run takes is the planner's decision (planning/planner.py), made once from
 these bytes and the step's bound. Here, below the trainers and the planner, so that both
 count the same bytes. The attention path and the MLP tile follow config/auto.py, the rules
 the model itself runs by.
@@ -33,7 +33,7 @@ OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
 
 @dataclasses.dataclass(frozen=True)
 class PlacementPlan:
-    """Where a run's state and activations live, layer by layer (tools/planner.py decides).
+    """Where a run's state and activations live, layer by layer (planning/planner.py decides).
 
     Layers in order: the first `resident_layers` keep their weights and optimizer state on
     the GPU and update there; the last `saving_layers` save their activations in the forward
@@ -62,7 +62,7 @@ class PlacementPlan:
 
 
 def plan_of(cfg: Config) -> PlacementPlan:
-    """The placement a resolved cfg pins (tools/planner.py's `resolve`): every placement key
+    """The placement a resolved cfg pins (planning/planner.py's `resolve`): every placement key
     a number, or on/off, device/pinned_host. Refuses a cfg the planner has not resolved."""
     s, layers = cfg.stream, cfg.model.layers
     counts = {k: pinned(getattr(s, k)) for k in
@@ -71,7 +71,7 @@ def plan_of(cfg: Config) -> PlacementPlan:
     unresolved += [k for k in ("resident_embeddings", "saved_inputs") if getattr(s, k) == "auto"]
     if unresolved:
         raise ValueError(f"stream.{unresolved[0]}={getattr(s, unresolved[0])} is not resolved: "
-                         "plan the placement first (tools/planner.py: resolve)")
+                         "plan the placement first (planning/planner.py: resolve)")
     saving = counts["keep_layers"]
     host = {"device": 0, "pinned_host": layers - saving}.get(s.saved_inputs)
     return PlacementPlan(counts["resident_layers"], s.resident_embeddings == "on", saving,

@@ -133,7 +133,7 @@ class DataConfig:
 class StreamConfig:
     """The streaming engine and where the state lives.
 
-    Placement is one decision (tools/planner.py): within `gpu_budget_gb` of each GPU and the
+    Placement is one decision (planning/planner.py): within `gpu_budget_gb` of each GPU and the
     host's memory, the planner chooses which layers' state lives on the GPU, which layers
     save their activations, keep their fetched weights or their attention, and where saved
     inputs wait, to make the step's bound shortest (`megatrain-jax plan` shows it). The

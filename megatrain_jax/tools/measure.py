@@ -1,4 +1,4 @@
-"""The rates of one streamed step, measured on the device (tools/roofline.py's inputs): the
+"""The rates of one streamed step, measured on the device (planning/roofline.py's inputs): the
 link both ways on pinned copies of the model's own layers, a layer's forward and backward,
 the head, the host optimizer, and the host memory's bandwidth beside a weight transfer.
 
@@ -14,7 +14,8 @@ import dataclasses
 import statistics
 import timeit
 
-from megatrain_jax.tools.roofline import Rates, at_optimizer_rate, bound_for, update_bytes
+from megatrain_jax.planning.presets import at_optimizer_rate
+from megatrain_jax.planning.roofline import Rates, bound_for, update_bytes
 
 
 def median_seconds(fn, repeats: int = 3) -> float:
@@ -36,7 +37,7 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     update moved at the optimizer's rate. The update's losses beside the transfers
     (`update_loss_h2d`, `update_loss_d2h`) are from the kernel's own rate beside a copy of the
     layers each way (`host_memory_left_by_h2d_gbps`, `..._d2h_gbps`) against its rate alone.
-    `cfg` is the engine's, resolved (its placement pinned: tools/planner.py); `kept_layers`
+    `cfg` is the engine's, resolved (its placement pinned: planning/planner.py); `kept_layers`
     in the result counts its layers whose backward fetches no weights (saving, or keeping
     the forward's weights).
     """
@@ -143,7 +144,7 @@ def measure_rates(cfg) -> Rates:
 
     from megatrain_jax.config.memory import PlacementPlan
     from megatrain_jax.io.data import TokenSource
-    from megatrain_jax.tools.planner import pinned_config
+    from megatrain_jax.planning.planner import pinned_config
     from megatrain_jax.train.trainers import StreamTrainer
 
     small = pinned_config(dataclasses.replace(

@@ -28,18 +28,18 @@ from megatrain_jax.config import (
 )
 from megatrain_jax.config.memory import optimizer_bytes, replaced
 from megatrain_jax.io import array_files, checkpoint
-from megatrain_jax.tools import planner, presets
+from megatrain_jax.planning import planner, presets
+from megatrain_jax.planning.roofline import (  # no JAX
+    Rates,
+    gradient_bytes,
+    host_params,
+    update_bytes,
+)
 from megatrain_jax.tools.probe import (
     gpu_memory_bytes,
     gpu_name,
     host_memory_available,
     planned_devices,
-)
-from megatrain_jax.tools.roofline import (  # no JAX
-    Rates,
-    gradient_bytes,
-    host_params,
-    update_bytes,
 )
 
 GiB = 2**30
@@ -49,26 +49,17 @@ PINNED = ("master_weights", "optimizer_state", "gradients", "saved_inputs")
 
 def resolved(cfg: Config, gpu: int | None = None, host: int | None = None,
              rates: Rates | None = None) -> Config:
-    """cfg with its placement decided (tools/planner.py) for GPUs of `gpu` usable bytes and
+    """cfg with its placement decided (planning/planner.py) for GPUs of `gpu` usable bytes and
     `host` bytes of host memory (None: this machine's), at `rates` (None: the preset of
     this machine's GPU). A cfg already resolved, or trained by the reference, is returned
     as it is; refuses, with the numbers, where no placement fits."""
-    if cfg.loop.trainer != "stream" or is_resolved(cfg):
+    if cfg.loop.trainer != "stream" or planner.is_resolved(cfg):
         return cfg
     n = planned_devices(cfg)
     gpu = usable_gpu_bytes(gpu_memory_bytes()) if gpu is None else gpu
     host = host_memory_available() if host is None else host
     rates = machine_rates(cfg, n) if rates is None else rates
-    return planner.resolve(cfg, gpu_budget(cfg, gpu), host, n, rates)
-
-
-def is_resolved(cfg: Config) -> bool:
-    """Whether every placement key of cfg is set (by the planner or by the user)."""
-    try:
-        memory.plan_of(cfg)
-    except ValueError:
-        return False
-    return True
+    return planner.resolve(cfg, planner.gpu_budget(cfg, gpu), host, n, rates)
 
 
 def placement_summary(cfg: Config) -> str:
@@ -83,20 +74,11 @@ def placement_summary(cfg: Config) -> str:
             parts.append(f"{n} {what}")
     parts.append("embedding and head " + ("resident" if plan.resident_embeddings else
                                           "streamed"))
-    budget = gpu_budget(cfg, usable_gpu_bytes(gpu_memory_bytes()))
+    budget = planner.gpu_budget(cfg, usable_gpu_bytes(gpu_memory_bytes()))
     room = "unknown GPU memory" if budget is None else f"a {budget / GiB:.1f} GiB GPU budget"
     machine = presets.preset_for(gpu_name())
     return (", ".join(parts) + f" ({room}; rates: preset {machine.name}; "
             "`megatrain-jax plan` explains)")
-
-
-def gpu_budget(cfg: Config, usable: int | None) -> int | None:
-    """Each GPU's bytes the placement fills: stream.gpu_budget_gb where set (the user's word,
-    even beyond what XLA's share of the GPU is estimated to hold: the estimate errs high
-    where activations are saved), else what XLA may allocate (None: unknown)."""
-    if not cfg.stream.gpu_budget_gb:
-        return usable
-    return int(cfg.stream.gpu_budget_gb * GiB)
 
 
 def machine_rates(cfg: Config, devices: int | None = None) -> Rates:
@@ -130,7 +112,7 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
     except ConfigError as e:  # the numbers of the placement closest to fitting
         refused = str(e)
         gpu = usable_gpu_bytes(gpu_memory_bytes()) if gpu is None else gpu
-        run = planner.pinned_config(cfg, planner.closest(cfg, gpu_budget(cfg, gpu), n))
+        run = planner.pinned_config(cfg, planner.closest(cfg, planner.gpu_budget(cfg, gpu), n))
     plan = memory.plan_of(run)
     device = memory.device_bytes(run, plan, n)
     host = memory.host_state_bytes(run, plan, n)

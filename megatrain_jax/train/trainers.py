@@ -24,9 +24,9 @@ from megatrain_jax.config import Config, ConfigError, layer_grad_dtype, memory
 from megatrain_jax.config.schema import pinned
 from megatrain_jax.io import hf
 from megatrain_jax.model import replay
+from megatrain_jax.planning import planner, presets
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
 from megatrain_jax.stream.mesh import make_mesh
-from megatrain_jax.tools import plan, planner, presets
 from megatrain_jax.tools.probe import host_memory_available
 from megatrain_jax.tools.progress import Progress
 from megatrain_jax.train.reference import ReferenceTrainer
@@ -72,7 +72,7 @@ def llama_templates(config: Config, devices: int = 1) -> Templates:
 
 class StreamTrainer:
     """The Llama-family model on the streaming engine, placed as its config's placement keys
-    say (resolved by the planner here where some are `auto`: tools/planner.py)."""
+    say (resolved by the planner here where some are `auto`: planning/planner.py)."""
 
     def __init__(self, cfg: Config):
         mesh = mesh_for(cfg)
@@ -133,10 +133,10 @@ def placed(cfg: Config, devices: int) -> Config:
     stream.gpu_budget_gb of what XLA may allocate on each (nothing placed on a device whose
     memory is unknown, such as the CPU, without a budget), the host memory available, at the
     rates of this GPU's preset."""
-    if plan.is_resolved(cfg):
+    if planner.is_resolved(cfg):
         return cfg
     rates = presets.preset_for(jax.local_devices()[0].device_kind).rates(cfg, devices)
-    return planner.resolve(cfg, plan.gpu_budget(cfg, device_memory_bytes()),
+    return planner.resolve(cfg, planner.gpu_budget(cfg, device_memory_bytes()),
                            host_memory_available(), devices, rates)
 
 

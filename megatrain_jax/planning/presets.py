@@ -2,6 +2,7 @@
 
     machine = preset_for("NVIDIA H200")           # by the GPU's name (nvidia-smi, JAX)
     rates = machine.rates(cfg)                     # roofline.Rates at cfg's shape and batch
+    rates = scaled(measured, 4)                    # measured rates at 4x the tokens a step
 
 A preset holds what a step's bound needs from a machine: the link's rates both ways, the
 host memory's bandwidth and what the transfers take of the update's, the host AdamW's rate,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatrain_jax.config import Config
-from megatrain_jax.tools.roofline import Rates
+from megatrain_jax.planning.roofline import HOST_UPDATE_BYTES, Rates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,3 +99,33 @@ def preset_for(device_name: str | None) -> Machine:
     if "H100" in name:
         return PRESETS["H100 PCIe" if "PCIE" in name else "H100"]
     return PRESETS["H200" if "H200" in name else DEFAULT]
+
+
+def scaled(rates: Rates, factor: float) -> Rates:
+    """The rates at `factor` times the tokens per step: compute scales, transfers do not."""
+    return dataclasses.replace(rates, layer_forward_s=rates.layer_forward_s * factor,
+                               layer_backward_s=rates.layer_backward_s * factor,
+                               head_s=rates.head_s * factor)
+
+
+def expected_step(bound_s: float, measured: dict | None, tokens: int) -> str | None:
+    """The bound scaled by the measured run's own step over its bound: what a run at these
+    settings should take, extrapolated from the measured one (another depth, batch)."""
+    ratio = (measured or {}).get("roofline", {}).get("ratio")
+    if not ratio:
+        return None
+    layers = measured.get("config_values", {}).get("model", {}).get("layers", "?")
+    step = bound_s * ratio
+    return (f"expected step: {step:.3f} s ({tokens / step:,.0f} tokens/s), extrapolated: the "
+            f"bound times {ratio:.3f}, the measured run's step over its bound ({layers} "
+            f"layers, {measured['tokens_per_step']:,} tokens per step, "
+            f"{measured['median_step_s']:.3f} s)")
+
+
+def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
+                      update_bytes: float = HOST_UPDATE_BYTES) -> Rates:
+    """`rates` with the optimizer at `gparams` G params/s, and the host memory's bandwidth the
+    larger of a streaming kernel's and what a host update at that rate moves through it."""
+    moved = gparams * update_bytes if rates.overlapped_update else 0.0
+    return dataclasses.replace(rates, optimizer_gparams=gparams,
+                               host_memory_gbps=max(kernel_gbps, moved))

@@ -37,12 +37,7 @@ the optimizer's time in a phase is its time alone plus, per transfer beside it, 
 its rate that transfer takes (`update_loss_h2d`, `update_loss_d2h`: one less the streaming
 kernel's own rate beside a copy each way over its rate alone) times the transfer's seconds.
 
-The optimizer's rate is the one input the link and the GPU do not set: measured on a sample
-(`tools.measure`), or, better, as the median time of this model's own whole update timed alone
-(bench_step.py's synced phases). The host's memory bandwidth is measured by an in-place
-streaming kernel beside a weight transfer, as the step shares it, and taken as at least the
-kernel's alone and what the update itself moved; the losses by the same kernel's own bytes
-beside a copy to the device and beside one back.
+The rates: a preset of the machine (planning/presets.py), or measured (tools/measure.py).
 """
 
 from __future__ import annotations
@@ -100,9 +95,7 @@ class Rates:
 # elementwise work in the backward: it saves about this share of a forward (7b at 16 x 1024
 # on the H200: every layer resident, 11,597 tokens/s; with every layer saving, 13,617).
 SAVED_SHARE = 0.62
-# GPU memory bytes a parameter of a resident part's update moves: p, g, m, v read, p, m, v
-# written, in fp32.
-RESIDENT_UPDATE_BYTES = 28
+RESIDENT_UPDATE_BYTES = 28  # GPU memory bytes of a resident update: p, g, m, v in; p, m, v out
 
 
 def _most(*terms):
@@ -215,8 +208,8 @@ def streamed_params(model: ModelConfig, resident_layers: int = 0,
 
 def host_params(cfg) -> int:
     """`streamed_params` of a resolved cfg's run (every placement key pinned: planner.py)."""
-    plan = plan_of(cfg)
-    return streamed_params(cfg.model, plan.resident_layers, plan.resident_embeddings)
+    return streamed_params(cfg.model, plan_of(cfg).resident_layers,
+                           plan_of(cfg).resident_embeddings)
 
 
 def bound_for(cfg, rates: Rates, devices: int | None = None) -> dict:
@@ -280,15 +273,6 @@ def attention_share(cfg) -> float:
     return attention / (attention + m.params_per_layer)
 
 
-def at_optimizer_rate(rates: Rates, gparams: float, kernel_gbps: float,
-                      update_bytes: float = HOST_UPDATE_BYTES) -> Rates:
-    """`rates` with the optimizer at `gparams` G params/s, and the host memory's bandwidth the
-    larger of a streaming kernel's and what a host update at that rate moves through it."""
-    moved = gparams * update_bytes if rates.overlapped_update else 0.0
-    return dataclasses.replace(rates, optimizer_gparams=gparams,
-                               host_memory_gbps=max(kernel_gbps, moved))
-
-
 def gradient_bytes(cfg, devices: int | None = None) -> float:
     """Bytes per host-held parameter of a resolved cfg's step's gradients over `devices` GPUs
     (None: the run's, `planned_devices`): layers' in bf16 where the engine sends them so
@@ -336,7 +320,7 @@ def _host_memory_seconds(params: int, rates: Rates, bytes_per_param: int, grad_b
 
 def _limit(forward, backward, h2d, gradients, optimizer, host_memory) -> str:
     costs = {"compute": forward + backward, "h2d": h2d, "d2h": gradients,
-             "optimizer": optimizer, "host_memory": host_memory}
+             "optimizer": optimizer, "host_memory": host_memory}  # the largest names the limit
     return max(costs, key=costs.get)
 
 
@@ -363,24 +347,3 @@ def compute_bound_tokens(model: ModelConfig, rates: Rates, tokens: int,
         return 0
     backward_paced = max(b["h2d_backward_s"], b["d2h_s"], b["host_memory_backward_s"])
     return math.ceil(max(paced / forward_per_token, backward_paced / backward_per_token))
-
-
-def scaled(rates: Rates, factor: float) -> Rates:
-    """The rates at `factor` times the tokens per step: compute scales, transfers do not."""
-    return dataclasses.replace(rates, layer_forward_s=rates.layer_forward_s * factor,
-                               layer_backward_s=rates.layer_backward_s * factor,
-                               head_s=rates.head_s * factor)
-
-
-def expected_step(bound_s: float, measured: dict | None, tokens: int) -> str | None:
-    """The bound scaled by the measured run's own step over its bound: what a run at these
-    settings should take, extrapolated from the measured one (another depth, batch)."""
-    ratio = (measured or {}).get("roofline", {}).get("ratio")
-    if not ratio:
-        return None
-    layers = measured.get("config_values", {}).get("model", {}).get("layers", "?")
-    step = bound_s * ratio
-    return (f"expected step: {step:.3f} s ({tokens / step:,.0f} tokens/s), extrapolated: the "
-            f"bound times {ratio:.3f}, the measured run's step over its bound ({layers} "
-            f"layers, {measured['tokens_per_step']:,} tokens per step, "
-            f"{measured['median_step_s']:.3f} s)")

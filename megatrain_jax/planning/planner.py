@@ -12,7 +12,7 @@ last S layers saving their activations (no recompute), A layers before those kee
 attention (rows of auto.KEEP_ATTENTION_FROM tokens or more), W streamed layers keeping the
 weights their forward fetched, and the first H layers' saved inputs waiting on the host.
 
-What a byte of GPU room buys is read off the step's bound (tools/roofline.py): resident state
+What a byte of GPU room buys is read off the step's bound (planning/roofline.py): resident state
 removes its share of the host update, of the host memory's traffic and of both transfers;
 saved activations remove most of a forward from a layer's backward; kept attention the
 attention's forward; kept weights one weight pass through the link and the host memory;
@@ -38,7 +38,7 @@ import numpy as np
 from megatrain_jax.config import Config, ConfigError, auto, memory
 from megatrain_jax.config.memory import HEADROOM, PlacementPlan
 from megatrain_jax.config.schema import pinned
-from megatrain_jax.tools import roofline
+from megatrain_jax.planning import roofline
 
 GiB = 2**30
 # The planner weighs each placement at the given rates and at a host this much slower (its
@@ -113,6 +113,26 @@ def resolve(cfg: Config, gpu: int | None, host: int | None, devices: int,
             rates: roofline.Rates) -> Config:
     """cfg with every placement key the planner's choice (or as pinned)."""
     return pinned_config(cfg, plan_placement(cfg, gpu, host, devices, rates).plan)
+
+
+def is_resolved(cfg: Config) -> bool:
+    """Whether every placement key of cfg is set (by the planner or by the user)."""
+    try:
+        memory.plan_of(cfg)
+    except ValueError:
+        return False
+    return True
+
+
+
+def gpu_budget(cfg: Config, usable: int | None) -> int | None:
+    """Each GPU's bytes the placement fills: stream.gpu_budget_gb where set (the user's word,
+    even beyond what XLA's share of the GPU is estimated to hold: the estimate errs high
+    where activations are saved), else what XLA may allocate (None: unknown)."""
+    if not cfg.stream.gpu_budget_gb:
+        return usable
+    return int(cfg.stream.gpu_budget_gb * GiB)
+
 
 
 def pinned_config(cfg: Config, plan: PlacementPlan) -> Config:

@@ -57,7 +57,8 @@ def main(steps: int = 30) -> list[float]:
 
     step = streaming.from_functions(embed, layer, head_loss, init_params(key),
                                     optax.adamw(3e-3, weight_decay=1e-4), clip_norm=1.0,
-                                    micro_batches=4, example_batch=train)
+                                    micro_batches=4, example_batch=train,
+                                    mask_key=None)  # no mask: the loss divides by the rows
     state = step.init_state()
     losses = []
     for i in range(steps):

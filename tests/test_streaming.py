@@ -131,7 +131,7 @@ def test_linen_gradients_and_ten_steps_agree():
     batch = linen_example.make_data()
     opt = optax.adam(1e-2)
     step = streaming.from_linen(*linen_example.build(), linen_example.summed_loss, opt,
-                                micro_batches=4)
+                                micro_batches=4, mask_key=None)
     state = step.init_state()
     params, loss_fn = _linen_ordinary(batch)
     loss, grads, *_ = step.engine.forward_backward(state.params, batch)
@@ -177,7 +177,7 @@ def test_template_closing_over_arrays_is_refused():
             embed=lambda p, b: b["inputs"] @ p["w"],
             layer=lambda p, x: x @ hidden_weight + p["b"],
             head_loss=lambda p, x, b: jnp.sum((x @ p["w"] - b["y"]) ** 2),
-            params=params, optimizer=optax.sgd(0.1), example_batch=batch,
+            params=params, optimizer=optax.sgd(0.1), example_batch=batch, mask_key=None,
         )
 
 
@@ -191,7 +191,7 @@ def test_head_closing_over_arrays_is_refused():
             embed=lambda p, b: b["inputs"] @ p["w"],
             layer=lambda p, x: x + p["b"],
             head_loss=lambda p, x, b: jnp.sum((x @ hidden_out + p["bias"] - b["y"]) ** 2),
-            params=params, optimizer=optax.sgd(0.1), example_batch=batch,
+            params=params, optimizer=optax.sgd(0.1), example_batch=batch, mask_key=None,
         )
 
 

@@ -83,10 +83,11 @@ def shard_templates(templates, mesh: Mesh):
         ps = specs(p)
         return over_mesh(lambda p_, b_: t.embed(whole(p_, ps), b_), (ps, ROWS), ROWS)(p, batch)
 
-    def layer(p, x, batch):
+    def layer(p, x, batch, *index):  # index: (i,) with Templates.layer_index, else ()
         ps = specs(p)
-        return over_mesh(lambda p_, x_, b_: t.layer(whole(p_, ps), x_, b_),
-                         (ps, ROWS, ROWS), ROWS)(p, x, batch)
+        return over_mesh(lambda p_, x_, b_, *i_: t.layer(whole(p_, ps), x_, b_, *i_),
+                         (ps, ROWS, ROWS, *(PartitionSpec(),) * len(index)), ROWS)(
+                             p, x, batch, *index)
 
     def head_loss(h, e, x, batch, denom):
         # Each device's loss is its rows' share (over the whole batch's denominator); their

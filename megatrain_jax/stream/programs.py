@@ -44,6 +44,9 @@ class Templates:
     use and uses each weight once (no loop inside it sums a weight's gradient): a saving
     layer (`layer_saving`) then keeps its weights cast, half the bytes of fp32, with the same
     values and gradients. None: it keeps them as they are.
+    `layer_index`: the layer takes its index in the stack, layer(layer_params, x, batch, i)
+    with i an int32 scalar (a traced value: one program serves every layer), e.g. to draw
+    per-layer random keys. The index is not given to layer_keeping and layer_replaying.
     """
 
     embed: Callable
@@ -55,22 +58,25 @@ class Templates:
     layer_keeping: Callable | None = None
     layer_replaying: Callable | None = None
     saving_dtype: object = None
+    layer_index: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
     embed_forward: Callable    # (embed, batch) -> xs
-    layer_forward: Callable    # (layer, xs, batch) -> xs
+    layer_forward: Callable    # (layer, xs, batch[, index]) -> xs
     layer_keeping: Callable    # (layer, xs, batch) -> xs, kept (for layer_backward)
     head: Callable             # (head, embed, xs, batch, denom) -> loss, dxs, dhead, dembed, sq
     head_eval: Callable        # (head, embed, xs, batch, denom) -> loss
-    layer_backward: Callable   # (layer, xs, dxs, batch, sq, kept=None) -> dxs_in, dlayer, sq
-                               # (dxs donated)
-    layer_saving: Callable     # (layer, xs, batch) -> xs, saved (for layer_backward_saved)
+    layer_backward: Callable   # (layer, xs, dxs, batch, sq, kept=None[, index]) -> dxs_in,
+                               # dlayer, sq (dxs donated)
+    layer_saving: Callable     # (layer, xs, batch[, index]) -> xs, saved (for
+                               # layer_backward_saved)
     layer_backward_saved: Callable  # (saved, dxs, sq) -> as layer_backward (dxs donated)
     embed_backward: Callable   # (embed, batch, dxs, dembed, sq) -> dembed, sq, skip, scale
     update_host: Callable      # (params, grads, opt_state, scale, skip) on host state, donated
     update_device: Callable    # the same on device-resident state, donated
+    layer_index: bool = False  # the layer programs take the layer's index (Templates)
 
 
 # What a saving layer's forward keeps for its backward (`layer_saving`): the outputs of its
@@ -113,6 +119,7 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         embed_backward=jit(_embed_backward(templates, placement, clip_norm)),
         update_host=placement.host_jit(_update(optimizer), donate_argnums=(0, 2)),
         update_device=placement.device_jit(_update(optimizer), donate_argnums=(0, 2)),
+        layer_index=templates.layer_index,
     )
 
 
@@ -123,21 +130,30 @@ def _embed_forward(t: Templates) -> Callable:
     return embed_forward
 
 
+def _layer_call(t: Templates) -> Callable:
+    """The layer as every layer program calls it, (params, x, batch, index): `index` is
+    passed on when the template takes it (Templates.layer_index), else dropped."""
+    if t.layer_index:
+        return t.layer
+    return lambda params, x, batch, index: t.layer(params, x, batch)
+
+
 def _forward_functions(t: Templates) -> tuple[Callable, Callable, Callable]:
     """A layer's three forwards: plain, keeping (what its backward's recompute takes), and
     saving (what its backward needs, so that the backward recomputes only the rest)."""
+    call_layer = _layer_call(t)
 
-    def layer_forward(params, xs, batch):
-        return jax.lax.map(lambda args: t.layer(params, *args), (xs, batch))
+    def layer_forward(params, xs, batch, index=None):
+        return jax.lax.map(lambda args: call_layer(params, *args, index), (xs, batch))
 
     def layer_keeping(params, xs, batch):
         return jax.lax.map(lambda args: t.layer_keeping(params, *args), (xs, batch))
 
-    def layer_saving(params, xs, batch):
+    def layer_saving(params, xs, batch, index=None):
         """The layer's forward that keeps on the device what its backward needs
         (SAVED_BY_SAVING_LAYERS), so that layer_backward_saved neither fetches the weights
         nor recomputes the matmuls: (xs, saved)."""
-        layer = jax.checkpoint(t.layer, policy=SAVED_BY_SAVING_LAYERS)  # per micro-batch
+        layer = jax.checkpoint(call_layer, policy=SAVED_BY_SAVING_LAYERS)  # per micro-batch
 
         def kept(w):  # the weights the checkpoint keeps: cast as the layer casts them, if it may
             if t.saving_dtype is None:
@@ -149,7 +165,7 @@ def _forward_functions(t: Templates) -> tuple[Callable, Callable, Callable]:
             # the opposite order, sums their weight gradients first to last in fp32, as
             # layer_backward's scan does: the same sums, bit for bit. The cast is the same
             # for every micro-batch: JAX keeps it once, and the fp32 weights not at all.
-            return _flipped(jax.lax.map(lambda args: layer(kept(w), *args),
+            return _flipped(jax.lax.map(lambda args: layer(kept(w), *args, index),
                                         _flipped((xs_, batch))))
 
         return jax.vjp(forward, params, xs)
@@ -203,15 +219,16 @@ def _layer_gradient(t: Templates, placement: Placement) -> Callable:
 def _backward_functions(t: Templates, layer_gradient: Callable) -> tuple[Callable, Callable]:
     """A layer's backward recomputing from its saved input (taking what a keeping forward
     kept), and a saving layer's from what its forward saved."""
+    call_layer = _layer_call(t)
 
-    def layer_backward(params, xs, dxs, batch, sq, kept=None):
+    def layer_backward(params, xs, dxs, batch, sq, kept=None, index=None):
         """Recomputes the layer from its saved inputs (taking what `kept` holds, when the
         forward was layer_keeping's); returns dL/dx_in, dL/dw and the running sum of squares."""
 
         def one(dw_acc, args):
             x, dx, mb, kept_mb = args
             if kept_mb is None:
-                _, vjp = jax.vjp(lambda w, x_: t.layer(w, x_, mb), params, x)
+                _, vjp = jax.vjp(lambda w, x_: call_layer(w, x_, mb, index), params, x)
             else:
                 _, vjp = jax.vjp(lambda w, x_: t.layer_replaying(w, x_, mb, kept_mb), params, x)
             dw, dx_in = vjp(dx)

@@ -26,6 +26,7 @@ import time
 from typing import Callable, Iterable, Iterator
 
 import jax
+import jax.numpy as jnp
 
 from megatrain_jax.stream.placement import Placement, from_parts, part_names, parts
 from megatrain_jax.stream.programs import Programs
@@ -168,7 +169,7 @@ class Schedule:
         run, place = self.programs, self.placement
         if i in step.on_device.residuals:  # what its backward needs stays: no input saved
             step.saved.append(None)
-            xs, step.kept[i] = run.layer_saving(w, xs, batch)
+            xs, step.kept[i] = run.layer_saving(w, xs, batch, *self.index(i))
             return xs
         if place.input_on_host(i):
             to_host = step.tracer.issued("d2h", f"input {i}", place.to_host(xs))
@@ -178,7 +179,7 @@ class Schedule:
         if i in step.on_device.attention:
             xs, step.kept[i] = run.layer_keeping(w, xs, batch)
             return xs
-        return run.layer_forward(w, xs, batch)
+        return run.layer_forward(w, xs, batch, *self.index(i))
 
     def _backward(self, step: _Pass, dxs, batch: dict, sq, grads: list,
                   on_gradient: Callable | None):
@@ -192,7 +193,8 @@ class Schedule:
             if i in step.on_device.residuals:
                 dxs, dw, sq = self.programs.layer_backward_saved(step.kept[i], dxs, sq)
             else:
-                dxs, dw, sq = self.programs.layer_backward(w, x_in, dxs, batch, sq, step.kept[i])
+                dxs, dw, sq = self.programs.layer_backward(w, x_in, dxs, batch, sq, step.kept[i],
+                                                           *self.index(i))
             step.kept[i] = None
             step.tracer.issued("compute", f"backward {i}", sq)  # dxs is donated to the next
             grads[i + 1] = self._gradient_out(step, i + 1, dw, sq, on_gradient,
@@ -223,7 +225,12 @@ class Schedule:
         for i, w in enumerate(_prefetched(rest, place.to_device, self.depth)):
             if i == len(rest) - 1:
                 return run.head_eval(w, embed, xs, batch, denom)
-            xs = run.layer_forward(w, xs, batch)
+            xs = run.layer_forward(w, xs, batch, *self.index(i))
+
+    def index(self, i: int) -> tuple:
+        """The layer programs' extra argument: (layer i's index,) for templates that take it
+        (Templates.layer_index), else nothing."""
+        return (jnp.asarray(i, jnp.int32),) if self.programs.layer_index else ()
 
 
 def _prefetched(items: Iterable, fetch: Callable, depth: int,

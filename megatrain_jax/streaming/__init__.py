@@ -10,6 +10,13 @@ through the device (see `megatrain_jax.stream`). The ways in, from the most gene
                      by nn.scan; from_linen(embed, embed_params, layer, ...): loose modules
     layout.py        a model's parameter tree <-> the per-layer store; ModelStep, which gives
                      trained weights back in the model's layout (`params_to`, `export`)
+    pieces.py        a model's pieces, the templates made of them, and their check against
+                     the model's own forward (nnx_pieces.py, nnx_check.py, linen_check.py)
+    contract.py      the loss contract: mask_key, normalizer, reduction
+    optimizer_view.py  the optimizer sees each part in the whole model's tree; the probe
+                     that refuses global transforms (clip_by_global_norm: use clip_norm=)
+    randomness.py    dropout keys: rng_key(seed, step, part, chunk, piece)
+    errors.py        errors that name the entry point and the argument
 
     step = streaming.from_nnx_model(model, summed_loss, optax.adamw(3e-4), clip_norm=1.0)
     state = step.init_state()
@@ -20,9 +27,10 @@ Every way in takes `mesh=make_mesh(n)` (or n) to run data parallel over n device
 """
 
 from megatrain_jax.stream.mesh import make_mesh
+from megatrain_jax.streaming.contract import LossContract
+from megatrain_jax.streaming.errors import TemplateError
 from megatrain_jax.streaming.functions import (
     StreamingStep,
-    TemplateError,
     build_engine,
     check_layers,
     check_no_captured_arrays,
@@ -31,7 +39,9 @@ from megatrain_jax.streaming.functions import (
 from megatrain_jax.streaming.layout import Layout, ModelStep
 from megatrain_jax.streaming.linen_models import from_linen, from_linen_model
 from megatrain_jax.streaming.nnx_models import from_nnx, from_nnx_model, refuse_non_params
+from megatrain_jax.streaming.randomness import rng_key
 
-__all__ = ["Layout", "ModelStep", "StreamingStep", "TemplateError", "build_engine",
-           "check_layers", "check_no_captured_arrays", "from_functions", "from_linen",
-           "from_linen_model", "from_nnx", "from_nnx_model", "make_mesh", "refuse_non_params"]
+__all__ = ["Layout", "LossContract", "ModelStep", "StreamingStep", "TemplateError",
+           "build_engine", "check_layers", "check_no_captured_arrays", "from_functions",
+           "from_linen", "from_linen_model", "from_nnx", "from_nnx_model", "make_mesh",
+           "refuse_non_params", "rng_key"]

@@ -29,7 +29,10 @@ import jax
 import numpy as np
 
 from megatrain_jax.stream import StreamEngine, StreamState
-from megatrain_jax.streaming.functions import TemplateError
+from megatrain_jax.streaming.errors import TemplateError
+from megatrain_jax.streaming.functions import clip_fix, run_checks
+from megatrain_jax.streaming.optimizer_view import key_paths, model_view, probe, viewed
+from megatrain_jax.streaming.randomness import with_rng_rows
 
 KeyPath = tuple  # keys into nested dicts: str, or int for list items (NNX)
 PLACES = ("device", "host")
@@ -97,8 +100,10 @@ class Layout:
         for k, path in enumerate(pieces):
             get_path(tree, path)
             if path in pieces[k + 1:]:  # e.g. a tied embedding: two parts, trained apart
-                raise TemplateError(f"'{path_str(path)}' is named twice: each parameter must "
-                                    "belong to one piece (tied weights are not supported)")
+                raise TemplateError(
+                    f"'{path_str(path)}' is named twice: each parameter must belong to one "
+                    "piece. To tie the head to the embedding, name the embedding module's "
+                    f"method in head, e.g. head=(..., '{path_str(path)}.attend').")
             for other in pieces:
                 if other != path and other[:len(path)] == path:
                     raise TemplateError(f"'{path_str(other)}' lies inside '{path_str(path)}':"
@@ -132,6 +137,23 @@ class Layout:
         layer = shape(stack, 1) if self.stacked else shape(self.listed(tree)[0], 0)
         return {"embed": shape(self.pieces(tree, self.embed), 0), "layer": layer,
                 "head": shape(self.pieces(tree, self.head), 0)}
+
+    def part_paths(self, tree) -> dict:
+        """Where each part's leaves sit in `tree`, in the part's flattening order:
+        {"embed", "head": [key path], "layers": [[key path] per layer]}."""
+        def under(paths, part):
+            keyed = {path_str(p): p for p in paths}
+            return [keyed[k[0]] + tuple(k[1:]) for k in key_paths(part)]
+
+        layer = key_paths(self.example(tree)["layer"])
+        prefixes = ([self.blocks] * self.num_layers if self.stacked else
+                    [self.blocks + (self._list_key(tree, i),) for i in range(self.num_layers)])
+        return {"embed": under(self.embed, self.pieces(tree, self.embed)),
+                "head": under(self.head, self.pieces(tree, self.head)),
+                "layers": [[prefix + p for p in layer] for prefix in prefixes]}
+
+    def _list_key(self, tree, i: int):
+        return i if i in get_path(tree, self.blocks) else str(i)
 
     def pieces(self, tree, paths) -> dict:
         """{path string: subtree} of `paths`, in order (a part of the engine)."""
@@ -188,6 +210,9 @@ class ModelStep:
     read_params: Callable[[], dict]  # the model's parameter tree, as it is now
     write_back: Callable  # (target, tree) -> the user's model or variables
     saved_tree: Callable = lambda tree: tree  # tree -> what `export` writes
+    checks: list = dataclasses.field(default_factory=list)  # run on the first batch
+    entry: str = "from_nnx_model"
+    rng_seed: int | None = None  # draws a key per step, part and chunk (randomness.py)
 
     def init_state(self) -> StreamState:
         """The host store from the model's current weights, one layer at a time (a stack is
@@ -196,6 +221,12 @@ class ModelStep:
         return self.engine.state_from_params(parts, copy=False)
 
     def train_step(self, state: StreamState, batch: dict) -> tuple[StreamState, dict]:
+        """One step; with `rng_seed`, the batch carries each row's step and chunk, from which
+        every piece draws its key (randomness.py)."""
+        run_checks(self, batch)
+        if self.rng_seed is not None:
+            chunks = self.engine.micro_batches * self.engine.placement.devices
+            batch = with_rng_rows(batch, state.step, chunks)
         return self.engine.train_step(state, batch)
 
     def user_params(self, state: StreamState, where: str = "device") -> dict:
@@ -220,3 +251,19 @@ class ModelStep:
         checkpointer.wait_until_finished()
         checkpointer.close()
         return path
+
+
+def model_optimizer(optimizer, forms: list, tree, layout: Layout, entry: str):
+    """The optimizer seeing each part inside the model's tree, in the first of `forms` (the
+    tree in the layouts its user's optax code may see) that it accepts, once probed
+    (optimizer_view.py); a HostAdamW (megatrain's own in-place update) as it is."""
+    import optax
+
+    if not isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    paths = key_paths(tree)
+    views = [model_view(form, paths, layout.part_paths(tree), layout.example(tree),
+                        layout.stacked) for form in forms]
+    shapes = [(np.shape(a), a.dtype) for a in jax.tree.leaves(tree)]
+    names = [path_str(p) for p in paths]
+    return viewed(optimizer, probe(optimizer, views, shapes, names, clip_fix(entry)))

@@ -1,7 +1,9 @@
 """Flax NNX in the streaming step: a whole model as its users write it, or loose modules.
 
-    model = Model(cfg, rngs=nnx.Rngs(0))          # blocks made with nnx.vmap, or an nnx.List
-    step = streaming.from_nnx_model(model, summed_loss, optax.adamw(3e-4), clip_norm=1.0)
+    model = GPT(cfg, rngs=nnx.Rngs(0))            # blocks made with nnx.vmap, or an nnx.List
+    step = streaming.from_nnx_model(model, summed_loss, optax.adamw(3e-4), clip_norm=1.0,
+                                    embed="embed", head=("ln_f", "embed.wte.attend"),
+                                    rng_seed=0, example_batch=batch)
     state = step.init_state()                     # the model's weights, layer by layer, to host
     state, metrics = step.train_step(state, batch)
     step.params_to(model, state)                  # trained weights back in place; then model(x)
@@ -10,14 +12,18 @@
 The model's pieces are named by attribute (or dotted path): `embed` and `head`, each one
 module or a sequence applied in order (e.g. head=("norm", "lm_head")), and `blocks`, either a
 stack made with `nnx.vmap` (leading layer axis, the layout `nnx.scan` applies) or a list of
-modules of one class. The step computes head(blocks(embed(batch["inputs"]))), one block at a
-time: the model's own `__call__` is not used, so it must do no more than that. A block that
-returns a (carry, output) pair, as an `nnx.scan` body may, passes its carry on.
+modules of one class. A head piece may be a method of a module, "wte.attend": inside an
+embedding piece, it ties the head to the embedding. The step computes
+head(blocks(embed(batch["inputs"]))), one block at a time, and checks once, on one row of
+the example (or first) batch, that this is what the model's own `__call__` computes (in
+eval mode: dropout off), naming the first piece that differs. A block that returns a
+(carry, output) pair, as an `nnx.scan` body may, passes its carry on.
 
-Only `nnx.Param` variables train. A model holding any other state (`nnx.BatchStat`, the RNG
-streams of a `Dropout` built with `rngs` or a stored `nnx.Rngs`, caches) is refused with the
-variable's name: the step recomputes each block in the backward pass and gives every block
-one template, so state that changes as it runs has no consistent value.
+Only `nnx.Param` variables train. RNG streams (a `Dropout` built with `rngs`) are reseeded
+for every piece at every step from `rng_seed` (randomness.py), as `nnx.reseed` does; any
+other state (`nnx.BatchStat`, caches) is refused with the variable's name: the step
+recomputes each block in the backward pass, so state that changes as it runs has no
+consistent value.
 """
 
 from __future__ import annotations
@@ -27,109 +33,118 @@ from typing import Callable, Sequence
 import optax
 from flax import nnx
 
+from megatrain_jax.streaming.errors import TemplateError, entry_point
 from megatrain_jax.streaming.functions import (
+    ENGINE_OPTIONS,
     StreamingStep,
-    TemplateError,
     build_engine,
     check_layers,
+    contract_of,
     from_functions,
+    pending_checks,
+    template_checks,
 )
-from megatrain_jax.streaming.layout import Layout, ModelStep, parse_path, path_str
+from megatrain_jax.streaming.layout import Layout, ModelStep, model_optimizer, parse_path, path_str
+from megatrain_jax.streaming.nnx_check import model_check
+from megatrain_jax.streaming.nnx_pieces import (
+    find,
+    graphdef_of,
+    is_list,
+    nnx_pieces,
+    pure_params,
+    resolve,
+    same_template,
+    specs,
+)
+from megatrain_jax.streaming.pieces import model_templates, tied
 
 
-def refuse_non_params(module, name: str | None = None) -> None:
-    """Raises TemplateError naming the first variable of `module` that is not an nnx.Param."""
+def refuse_non_params(module, name: str | None = None, rngs: bool = False) -> None:
+    """Raises TemplateError naming the first variable of `module` that is not an nnx.Param
+    (nor, with `rngs`, an RNG stream's key or count)."""
     name = name or type(module).__name__
     for path, node in nnx.iter_graph(module):
-        if isinstance(node, nnx.Variable) and not isinstance(node, nnx.Param):
-            where = ".".join([name, *map(str, path)])
+        if not isinstance(node, nnx.Variable) or isinstance(node, nnx.Param):
+            continue
+        if rngs and isinstance(node, nnx.RngState):
+            continue
+        where = ".".join([name, *map(str, path)])
+        advice = ("Build the model without it: LayerNorm or RMSNorm instead of BatchNorm, no "
+                  "caches." if rngs else "Build it without: LayerNorm or RMSNorm instead of "
+                  "BatchNorm, Dropout without rngs; for dropout, use from_nnx_model(..., "
+                  "rng_seed=), which reseeds RNG streams at every step.")
+        raise TemplateError(
+            f"{where} is an nnx.{type(node).__name__}, not an nnx.Param: the streaming step "
+            "trains parameters only and carries no other state (it recomputes each block in "
+            f"the backward pass). {advice}")
+
+
+def _layout(model, tree, embed: list, blocks: tuple, head: list) -> Layout:
+    """The layout of the pieces' parameters: a tied head piece has none of its own."""
+    head_params = []
+    for spec in head:
+        _, method, path, owner = resolve(model, spec, embed)
+        if not (method and owner is not None):
+            head_params.append(path)
+    stack = find(model, blocks)
+    layout = Layout.of(tree, embed, blocks, head_params, stacked=not is_list(stack))
+    if layout.stacked and not isinstance(stack, nnx.Module):
+        raise TemplateError(f"blocks='{path_str(blocks)}' is a {type(stack).__name__}, "
+                            "neither an nnx.vmap stack of modules nor a list of them")
+    return layout
+
+
+def _check_rngs(model, module_paths: list, rng_seed: int | None) -> None:
+    """RNG streams must sit in a piece, and need `rng_seed` to draw their keys."""
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.RngState):
+            continue
+        where = path_str(path)
+        if not any(path[:len(p)] == p for p in module_paths):
+            raise TemplateError(f"the RNG stream variable '{where}' is in none of embed, "
+                                "blocks, head: the step would never use it")
+        if rng_seed is None:
             raise TemplateError(
-                f"{where} is an nnx.{type(node).__name__}, not an nnx.Param: the streaming "
-                "step trains parameters only and carries no other state (it recomputes each "
-                "block in the backward pass). Build the model without it: LayerNorm or "
-                "RMSNorm instead of BatchNorm, Dropout without rngs (deterministic), no "
-                "stored nnx.Rngs or caches.")
+                f"'{where}' belongs to an RNG stream (a Dropout built with rngs): pass "
+                "rng_seed=<int>, from which the step draws a key for every piece at every "
+                "step (the same in the backward's recompute), or build the model without it.")
 
 
-def _pure_params(module) -> dict:
-    params = nnx.state(module, nnx.Param)
-    return nnx.to_pure_dict(params) if hasattr(nnx, "to_pure_dict") else params.to_pure_dict()
-
-
-def _graphdef(module):
-    return nnx.split(module, nnx.Param)[0]
-
-
-def _carry(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _chain(graphdefs: list, p: dict, x):
-    """Applies the pieces in order, each merged with its own parameters."""
-    for key, graphdef in graphdefs:
-        x = nnx.merge(graphdef, p[key])(x)
-    return x
-
-
-def _is_list(node) -> bool:
-    return isinstance(node, (list, tuple)) or (hasattr(nnx, "List") and
-                                               isinstance(node, nnx.List))
-
-
-def _submodule(model, path: tuple):
-    node = model
-    for i, key in enumerate(path):
-        found = node[key] if isinstance(key, int) and _is_list(node) else getattr(node, str(key),
-                                                                                  None)
-        if found is None:
-            raise TemplateError(f"{type(model).__name__} has no '{path_str(path[:i + 1])}'")
-        node = found
-    return node
-
-
-def _paths(spec) -> list[tuple]:
-    return [parse_path(spec)] if isinstance(spec, str) else [parse_path(s) for s in spec]
-
-
-def _same_template(modules: Sequence) -> object:
-    """The graph definition shared by every layer module, or a TemplateError naming the
-    first that differs."""
-    graphdefs = [_graphdef(m) for m in modules]
-    for i, graphdef in enumerate(graphdefs[1:], start=1):
-        if graphdef != graphdefs[0]:
-            raise TemplateError(
-                f"layer {i} ({type(modules[i]).__name__}) is not built like layer 0 "
-                f"({type(modules[0]).__name__}); every layer must be the same template.")
-    return graphdefs[0]
-
-
+@entry_point(options=ENGINE_OPTIONS)
 def from_nnx_model(model, head_loss: Callable, optimizer: optax.GradientTransformation, *,
-                   embed="embed", blocks="blocks", head="head", **options) -> ModelStep:
+                   embed="embed", blocks="blocks", head="head", rng_seed: int | None = None,
+                   check_model: bool = True, **options) -> ModelStep:
     """A streaming step for a whole NNX model; `head_loss(outputs, batch)` returns the loss
-    summed over the micro-batch. `options` are `from_functions`'. The step reads the model's
+    summed over the micro-batch (the contract: contract.py). `rng_seed` draws the keys of
+    the model's RNG streams (randomness.py); `check_model=False` skips the check against
+    the model's own forward. `options` are `from_functions`'. The step reads the model's
     weights at `init_state()` and writes them back at `params_to(model, state)`."""
-    refuse_non_params(model)
-    tree = _pure_params(model)
-    embed_paths, head_paths, blocks_path = _paths(embed), _paths(head), parse_path(blocks)
-    stack = _submodule(model, blocks_path)
-    layout = Layout.of(tree, embed_paths, blocks_path, head_paths, stacked=not _is_list(stack))
-    if layout.stacked:
-        if not isinstance(stack, nnx.Module):
-            raise TemplateError(f"'{path_str(blocks_path)}' is a {type(stack).__name__}, "
-                                "neither an nnx.vmap stack of modules nor a list of them")
-        block_def = _graphdef(stack)  # the stack's graph, merged with one layer's slices
-    else:
-        block_def = _same_template(list(stack))
+    refuse_non_params(model, rngs=True)
+    tree = pure_params(model)
+    embed_paths, blocks_path, head_specs = specs(embed), parse_path(blocks), specs(head)
+    layout = _layout(model, tree, embed_paths, blocks_path, head_specs)
+    module_paths = [resolve(model, s, embed_paths)[2] for s in (*embed_paths, *head_specs)]
+    _check_rngs(model, [*module_paths, blocks_path], rng_seed)
+    if not layout.stacked:
         check_layers(layout.listed(tree))
-    embed_defs = [(path_str(p), _graphdef(_submodule(model, p))) for p in embed_paths]
-    head_defs = [(path_str(p), _graphdef(_submodule(model, p))) for p in head_paths]
-    engine = build_engine(
-        embed=lambda p, batch: _chain(embed_defs, p, batch["inputs"]),
-        layer=lambda p, x: _carry(nnx.merge(block_def, p)(x)),
-        head_loss=lambda p, x, batch: head_loss(_chain(head_defs, p, x), batch),
-        optimizer=optimizer, example=layout.example(tree), **options)
-    return ModelStep(engine, layout, read_params=lambda: _pure_params(model),
-                     write_back=_write_back)
+    pieces = nnx_pieces(model, embed_paths, blocks_path, head_specs, layout.stacked)
+    embed_fn, layer_fn, head_fn = model_templates(*pieces, head_loss, layout.num_layers,
+                                                  rng_seed)
+    example, flags = layout.example(tree), {"tied": tied(pieces[2]),
+                                            "layer_index": rng_seed is not None}
+    checks = [template_checks(embed_fn, layer_fn, head_fn, example, contract_of(options),
+                              **flags)]
+    if check_model:  # first: it names the piece at fault where the others would just fail
+        checks.insert(0, model_check(model, (embed_paths, blocks_path, head_specs), layout))
+    checks = pending_checks(checks, options.pop("example_batch", None))
+    params = nnx.state(model, nnx.Param)
+    forms = [nnx.as_pure(params) if hasattr(nnx, "as_pure") else None, params, tree]
+    optimizer = model_optimizer(optimizer, [f for f in forms if f is not None], tree, layout,
+                                "from_nnx_model")
+    engine = build_engine(embed_fn, layer_fn, head_fn, optimizer, example, **flags, **options)
+    return ModelStep(engine, layout, read_params=lambda: pure_params(model),
+                     write_back=_write_back, checks=checks, entry="from_nnx_model",
+                     rng_seed=rng_seed)
 
 
 def _write_back(model, tree: dict):
@@ -141,6 +156,7 @@ def _write_back(model, tree: dict):
     return model
 
 
+@entry_point(options=ENGINE_OPTIONS)
 def from_nnx(embed, layers: Sequence, head, head_loss: Callable,
              optimizer: optax.GradientTransformation, **options) -> StreamingStep:
     """A streaming step from loose Flax NNX modules.
@@ -151,13 +167,13 @@ def from_nnx(embed, layers: Sequence, head, head_loss: Callable,
     for name, module in (("embed", embed), *((f"layer {i}", m) for i, m in enumerate(layers)),
                          ("head", head)):
         refuse_non_params(module, name)
-    embed_def, head_def = _graphdef(embed), _graphdef(head)
-    layer_def = _same_template(layers)
+    embed_def, head_def = graphdef_of(embed), graphdef_of(head)
+    layer_def = same_template(layers)
     return from_functions(
         embed=lambda p, batch: nnx.merge(embed_def, p)(batch["inputs"]),
         layer=lambda p, x: nnx.merge(layer_def, p)(x),
         head_loss=lambda p, x, batch: head_loss(nnx.merge(head_def, p)(x), batch),
-        params={"embed": _pure_params(embed), "layers": [_pure_params(m) for m in layers],
-                "head": _pure_params(head)},
+        params={"embed": pure_params(embed), "layers": [pure_params(m) for m in layers],
+                "head": pure_params(head)},
         optimizer=optimizer, **options,
     )

@@ -152,7 +152,7 @@ def cited_results(text: str) -> set[str]:
     for line in text.splitlines():
         if not line.strip() or line.startswith("|"):
             folder = None
-        for name in re.findall(r"`([^`\s]+\.(?:json|jsonl|png|txt|log))`", line):
+        for name in re.findall(r"`([^`\s]+\.(?:json|jsonl|png|txt|log|sh|tgz))`", line):
             if "/" in name:
                 folder = name.split("/")[0]
                 cited.add(name)

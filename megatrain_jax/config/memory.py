@@ -127,7 +127,7 @@ def device_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict:
     return device
 
 
-def _positive(x):
+def _positive(x):  # max(x, 0), of arrays too
     return x * (x > 0)
 
 
@@ -311,16 +311,14 @@ def inputs_saved(cfg: Config, plan: PlacementPlan | None = None) -> int:
 
 
 
-# Host memory of a streamed run beyond its pinned pool (measured on an H100 machine, 1b and 7b,
-# benchmarks/host_heap.py: 1.7 and 2.2 GiB with the peak's transients): the JAX, CUDA and
-# XLA runtimes, their libraries' mapped files, the trainer's own arrays. A fixed amount.
+# Host memory of a streamed run beyond its pinned pool: the JAX, CUDA and XLA runtimes, their
+# libraries, the trainer's own arrays (measured 1.7 and 2.2 GiB at 1b and 7b on an H100).
 RUNTIME = 2.5 * GiB
 # XLA's pinned host allocator (a BFC allocator) keeps one 8-byte chunk handle for every 256
 # bytes of its regions, in the process's heap: 1/32 of the pool (3.2 GiB beside 7b's 103 GiB,
 # measured 3.7 GiB of glibc's large mappings).
 POOL_BOOKKEEPING = 1 / 32
-# Pinned bytes beyond the state: transfers' staging and the allocator's rounding.
-POOL_MARGIN = 2 * GiB
+POOL_MARGIN = 2 * GiB  # pinned bytes beyond the state: transfers' staging, rounding
 
 
 def pool_share(cfg: Config, pinned, devices: int):

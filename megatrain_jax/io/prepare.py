@@ -40,70 +40,10 @@ from pathlib import Path
 import numpy as np
 
 from megatrain_jax.config import ConfigError
-from megatrain_jax.io.chat_template import compile_chat_template, find_chat_template
-from megatrain_jax.io.data import META, ByteTokenizer
+from megatrain_jax.io.chat_template import compile_chat_template
+from megatrain_jax.io.data import META
+from megatrain_jax.io.tokenizer import load_tokenizer
 from megatrain_jax.tools.progress import Progress
-
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                  "cls_token", "mask_token")  # the variables a chat template sees
-# A document's end where the tokenizer's eos_token is a chat marker (instruct tokenizers).
-END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-
-
-class HFTokenizer:
-    """A `tokenizer.json` through the `tokenizers` library, with bos/eos and chat template
-    from the `tokenizer_config.json` (and `chat_template.jinja`) beside it."""
-
-    def __init__(self, path: str | Path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:
-            raise ConfigError("a tokenizer.json needs the tokenizers library: "
-                              "pip install 'megatrain-jax[tokenizers]'") from e
-        path = Path(path)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise ConfigError(f"--tokenizer: no tokenizer.json at '{path}'; give the file, a "
-                              "folder holding it, or 'bytes'.")
-        self.name = str(file)
-        self.tokenizer = Tokenizer.from_file(str(file))
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        settings_file = file.with_name("tokenizer_config.json")
-        settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
-        self.special = {k: _token_text(settings[k]) for k in SPECIAL_TOKENS
-                        if _token_text(settings.get(k)) is not None}
-        self.chat_template, self.template_source = find_chat_template(file.parent, settings)
-        markers = self.chat_template or ""  # tokens a template writes are chat markers
-        bos, eos = self.special.get("bos_token"), self.special.get("eos_token")
-        self.bos_id, self.eos_id = self._id(bos), self._id(eos)
-        self.document_bos_id = None if bos and bos in markers else self.bos_id
-        ends = [eos] if eos and eos not in markers else []
-        ends += [t for t in END_OF_TEXT if t not in markers]
-        self.end_of_text = next((t for t in ends if self._id(t) is not None), None)
-        self.end_of_text_id = self._id(self.end_of_text)
-
-    def _id(self, text: str | None) -> int | None:
-        return None if text is None else self.tokenizer.token_to_id(text)
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
-
-    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """The ids of `text` as one piece, and each token's span of characters in it."""
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        return np.asarray(encoding.ids, np.int64), encoding.offsets
-
-    def describe(self) -> str:
-        ending = (f"{self.end_of_text} (id {self.end_of_text_id})" if self.end_of_text else
-                  "nothing (no end-of-text token found)")
-        template = (f"from {self.template_source}" if self.chat_template else
-                    f"{self.template_source}: messages as 'role: content' lines")
-        return (f"prepare: tokenizer {self.name}; chat template {template}; text documents "
-                f"end with {ending}")
-
-
-def _token_text(token):
-    return token.get("content") if isinstance(token, dict) else token
 
 
 def _decode(data: bytes, where: str, errors: str, start: int = 0, json_line: bool = False):
@@ -141,10 +81,6 @@ def _undecodable_field(line: bytes) -> str | None:
 
     found = find(record, "")
     return found.lstrip(".") if found else None
-
-
-def load_tokenizer(name: str):
-    return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
 
 
 def _documents(files: list[Path], errors: str = "strict"):

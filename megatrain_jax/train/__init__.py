@@ -6,7 +6,8 @@
 """
 
 from megatrain_jax.train.export import export_run
-from megatrain_jax.train.loop import TrainingStopped, evaluate, train
+from megatrain_jax.train.loop import TrainingStopped, train
+from megatrain_jax.train.outputs import evaluate
 from megatrain_jax.train.reference import ReferenceTrainer, TrainState
 from megatrain_jax.train.stop import RunInterrupted, StopSignals
 from megatrain_jax.train.trainers import (

@@ -24,7 +24,6 @@ processes the first decides the stop after each step for all (stop.py's AgreedSt
 
 from __future__ import annotations
 
-import json
 import signal
 import statistics
 import time
@@ -33,15 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrain_jax.config import Config, ConfigError, host_update, save_config
+from megatrain_jax.config import Config, ConfigError, save_config
 from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError
 from megatrain_jax.io.data import TokenSource
 from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.run_folder import RunLock
 from megatrain_jax.stream import Timeline
 from megatrain_jax.tools.machine import memory_record, peak_flops
-from megatrain_jax.tools.progress import Progress
 from megatrain_jax.train.export import export_final
+from megatrain_jax.train.outputs import Outputs, evaluate, write_timeline
 from megatrain_jax.train.resume import check_continues, restore, run_record
 from megatrain_jax.train.startup import (
     check_writable,
@@ -50,7 +49,6 @@ from megatrain_jax.train.startup import (
     finished_summary,
     read_records,
     rewind,
-    tensorboard,
 )
 from megatrain_jax.train.stop import AgreedStop, RunInterrupted
 from megatrain_jax.train.trainers import initial_state, make_trainer
@@ -71,25 +69,6 @@ class _Tally:
     streak: int = 0  # skipped steps in a row
     history: list = field(default_factory=list)  # this attempt's metric records
     timer: float = field(default_factory=time.perf_counter)  # since the last record
-
-
-def evaluate(trainer, state, val: TokenSource, batches: int) -> float:
-    """Mean loss per trained token over the first `batches` validation batches."""
-    total = count = 0.0
-    for i in range(batches):
-        batch = val.batch_at(i)
-        tokens = float(batch["mask"].sum())
-        total += float(trainer.eval_loss(state, batch)) * tokens
-        count += tokens
-    return total / max(count, 1.0)
-
-
-def write_timeline(path: Path, bars: list[dict], step: int, cfg: Config) -> None:
-    """One step's bars (lane, name, start, end in seconds) for `megatrain-jax report`."""
-    update = "host" if host_update(cfg) else "device"
-    doc = {"step": step, "layers": cfg.model.layers, "prefetch_depth": cfg.stream.prefetch_depth,
-           "update": update, "bars": bars}
-    path.write_text(json.dumps(doc) + "\n")
 
 
 def train(cfg: Config, log=None, on_start=None, stop=None) -> dict:
@@ -193,56 +172,12 @@ def _first_loss(run_dir: Path, history: list[dict]) -> float:
 
 # ----- the loop, phase by phase ------------------------------------------------------------
 
-class _Outputs:
-    """Where the loop's records go: metrics.jsonl, eval.jsonl, TensorBoard, the progress
-    output and the caller's `log`."""
-
-    def __init__(self, cfg: Config, start: int, log):
-        self.cfg, self.run_dir, self.log = cfg, Path(cfg.loop.run_dir), log
-        self.bar = Progress(cfg.loop.steps, cfg.loop.progress, plain_every=cfg.loop.log_every)
-        self.board = tensorboard(cfg, self.run_dir, start)
-        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
-
-    def record(self, record: dict) -> None:
-        self.metrics_file.write(json.dumps(record) + "\n")
-        self.metrics_file.flush()
-        step = record["step"]
-        if self.board is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self.board.add_scalar(key, value, step)
-            self.board.flush()
-        shown = {"loss": record["loss"], "tok/s": record["tokens_per_s"]}
-        if record["mfu"] is not None:
-            shown["mfu"] = record["mfu"]
-        if self.cfg.stream.speculate != "off" and "speculated_parts" in record:
-            # of the host update that overlapped this step: parts guessed, and undone
-            shown["guessed"] = f"{record['speculated_parts']:.0f}"
-            shown["undone"] = f"{record['rolled_back_parts']:.0f}"
-        self.bar.update(step, shown)
-        if self.log:
-            self.log(record)
-
-    def eval_record(self, step: int, loss: float) -> None:
-        with open(self.run_dir / "eval.jsonl", "a") as eval_file:
-            eval_file.write(json.dumps({"step": step, "loss": loss}) + "\n")
-        if self.board is not None:
-            self.board.add_scalar("eval_loss", loss, step)
-        self.bar.note(f"step {step}: eval loss {loss:.4f}")
-
-    def close(self) -> None:
-        self.metrics_file.close()
-        self.bar.close()
-        if self.board is not None:
-            self.board.close()
-
-
 def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
           val: TokenSource | None, ckpt: Checkpointer | None, log, agreed: AgreedStop):
     """The steps from `tally.start`: (final state, (the step a signal stopped the run at,
     the signal), or None when it ran to loop.steps)."""
     loop = cfg.loop
-    out = _Outputs(cfg, tally.start, log)
+    out = Outputs(cfg, tally.start, log)
     try:
         for step in range(tally.start, loop.steps):
             state, metrics, was_skipped = _step(cfg, trainer, state, data, step, ckpt, tally)
@@ -306,7 +241,7 @@ def _save(cfg: Config, trainer, state, ckpt: Checkpointer | None, done: int, tal
     return True
 
 
-def _record(cfg: Config, out: _Outputs, metrics: dict, done: int, tally: _Tally) -> None:
+def _record(cfg: Config, out: Outputs, metrics: dict, done: int, tally: _Tally) -> None:
     """Step `done`'s metric record, with the speed since the last record, written out."""
     record = {k: float(np.asarray(v)) for k, v in metrics.items()}
     seconds = time.perf_counter() - tally.timer  # the read above waited for the step

@@ -158,7 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("plan", cmd_plan, "show where a config's state and activations go on this machine "
          "(one GPU budget, stream.gpu_budget_gb, shared by the planner), the host and GPU "
          "memory it needs, the predicted step and what bounds it, and the largest shipped "
-         "shape that fits host and GPU together", _plan_flags),
+         "shape that fits host and GPU together. The placement keys stream.resident_layers, "
+         "keep_layers, keep_attention, keep_weights, saved_inputs and resident_embeddings "
+         "are advanced pins: set, each is kept and the planner places the rest around it",
+         _plan_flags),
     ):
         p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -23,12 +23,10 @@ from megatrain_jax.config import auto
 from megatrain_jax.config.schema import MOMENT_BLOCK, Config, layer_grad_dtype, pinned
 
 GiB = 2**30
-# Host-held layer inputs on the GPU at once in the backward: the one in use and the next.
-SAVED_IN_FLIGHT = 2
-# GPU memory a placement leaves free beyond the estimate: the estimate has come out up to
-# 2.4 GiB under the measured peak (7b streamed at a 24 GiB budget, 16 x 1024 tokens, on the
-# H200: benchmarks/RESULTS.md, "Placement"), and up to 4 GiB over where layers save their
-# activations.
+SAVED_IN_FLIGHT = 2  # host-held inputs on the GPU at once in the backward: in use, and next
+# GPU memory a placement leaves free beyond the estimate, which came out up to 2.4 GiB under
+# the peak measured on the H200 (7b streamed at a 24 GiB budget; benchmarks/RESULTS.md,
+# "Placement") and up to 4 GiB over where layers save their activations.
 HEADROOM = 3 * GiB
 OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
 
@@ -194,11 +192,13 @@ def host_state_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict
     }
 
 
-def resident_part_params(cfg: Config) -> int:
-    """Parameters of the largest part a resolved cfg keeps in GPU memory (0: none)."""
-    plan, m = plan_of(cfg), cfg.model
-    return max(m.params_per_layer if plan.resident_layers else 0,
-               m.embedding_params if plan.resident_embeddings else 0)
+def checkpoint_copy_bytes(cfg: Config, plan: PlacementPlan):
+    """Host bytes a checkpoint's save copies out of GPU memory under `plan`: the weights and
+    optimizer state of every resident part, at once (io/saving.py copies them when the save
+    starts, before the next step may overwrite them)."""
+    on_gpu = (plan.resident_layers * cfg.model.params_per_layer
+              + plan.resident_embeddings * cfg.model.embedding_params)
+    return whole((4 + optimizer_bytes(cfg)) * on_gpu)
 
 
 def resident_embedding_bytes(cfg: Config, devices: int = 1) -> int:

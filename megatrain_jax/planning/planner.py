@@ -125,7 +125,10 @@ def host_total(cfg: Config, plan: PlacementPlan, devices: int):
     """Host bytes of a run under `plan` (arrays in its fields give arrays): its pinned state
     and the run's overhead beside it (memory.host_overhead)."""
     pinned_bytes = sum(memory.host_state_bytes(cfg, plan, devices).values())
-    return pinned_bytes + sum(memory.host_overhead(cfg, pinned_bytes, devices).values())
+    total = pinned_bytes + sum(memory.host_overhead(cfg, pinned_bytes, devices).values())
+    if cfg.loop.checkpoint_every:  # a save copies the state the GPU holds to the host
+        total = total + memory.checkpoint_copy_bytes(cfg, plan)
+    return total
 
 
 def closest(cfg: Config, gpu: int | None, devices: int) -> PlacementPlan:

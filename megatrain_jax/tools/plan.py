@@ -106,7 +106,8 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
                   "saved": m.layers * memory.saved_per_layer(cfg)}
         host = {}
         if cfg.loop.checkpoint_every:
-            host["checkpoint_copies"] = _checkpoint_copies(cfg, params)
+            host["checkpoint_copies"] = (int((4 + optimizer_bytes(cfg)) * params)
+                                         + checkpoint.THREADS * array_files.CHUNK)
         return {"host": host, "device": device, "host_total": sum(host.values()),
                 "device_total": sum(device.values()), "devices": n, "pool_state": 0,
                 "config": cfg, "refused": None}
@@ -126,18 +127,12 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
         del overhead["replicas"]
     host.update(overhead)
     if cfg.loop.checkpoint_every:
-        host["checkpoint_copies"] = _checkpoint_copies(run, memory.resident_part_params(run))
+        host["checkpoint_copies"] = (memory.checkpoint_copy_bytes(run, plan)
+                                     + checkpoint.THREADS * array_files.CHUNK)
     host, device = ({k: int(v) for k, v in d.items()} for d in (host, device))
     return {"host": host, "device": device, "host_total": sum(host.values()),
             "device_total": sum(device.values()), "devices": n, "pool_state": int(pinned),
             "config": run, "refused": refused}
-
-
-def _checkpoint_copies(cfg: Config, on_device: int) -> int:
-    """Host bytes a save adds: the largest part held in GPU memory, copied to the host to be
-    written (one part at a time), and one chunk buffer per writing thread."""
-    state = 4 + optimizer_bytes(cfg)
-    return int(state * on_device) + checkpoint.THREADS * array_files.CHUNK
 
 
 def host_traffic(cfg: Config) -> dict[str, float]:

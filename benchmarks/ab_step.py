@@ -67,7 +67,7 @@ def main() -> None:
         raise SystemExit("--steps must be >= 2 (each block's first step is not timed) and "
                          "--rounds >= 1")
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = plan.resolved(load_config(args.config, args.overrides))  # as `train` places it
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     plan.set_pool_env(cfg)
 

@@ -53,8 +53,12 @@ def test_help_is_useful(capsys):
 
 def test_overrides_may_follow_the_flags(capsys):
     assert main(["plan", "7b", "--host-gb", "125", "--gpu-gb", "140",
-                 "optim.state_dtype=int8", "stream.resident_embeddings=off"]) == 0
-    assert "optimizer_state          12.75 GiB" in capsys.readouterr().out  # 2.03 B/param
+                 "optim.state_dtype=int8", "stream.resident_embeddings=off",
+                 "stream.resident_layers=0"]) == 0
+    out = capsys.readouterr().out  # every parameter's state on the host: 2.03 B/param
+    assert "optimizer_state          12.75 GiB" in out
+    assert "pinned by the config: stream.resident_layers=0, stream.resident_embeddings=off" \
+        in out
     with pytest.raises(SystemExit):  # a stray flag is still refused
         main(["plan", "7b", "--host-gb", "125", "--bogus"])
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -11,7 +11,9 @@ from conftest import Transfers, agrees_with_reference_while_clipping, max_rel_er
 
 from megatrain_jax import model, optim
 from megatrain_jax.config import ConfigError, load_config, memory
+from megatrain_jax.config.memory import PlacementPlan
 from megatrain_jax.io.data import TokenSource
+from megatrain_jax.planning import planner, presets
 from megatrain_jax.stream import StreamEngine
 from megatrain_jax.train import trainers
 
@@ -103,12 +105,10 @@ def test_saved_bytes_as_planned(overrides):
 
 def test_saving_layers_take_the_place_of_saved_inputs_in_the_plan():
     cfg = load_config("7b", ["data.batch_size=64", "data.micro_batches=4"])
-    kept = memory.replaced(cfg, "stream", keep_layers=12)
-    gpu = 141 * 10**9
-    base, _ = memory.step_bytes(cfg, 1, gpu)
-    with_kept, _ = memory.step_bytes(kept, 1, gpu)
+    base = memory.device_bytes(cfg, PlacementPlan())  # every input on the GPU
+    with_kept = memory.device_bytes(cfg, PlacementPlan(saving_layers=12))
     assert base["kept_layers"] == 0
-    assert with_kept["kept_layers"] == 12 * memory.saved_by_keeping(kept)
+    assert with_kept["kept_layers"] == 12 * memory.saved_by_keeping(cfg)
     assert with_kept["saved_inputs"] == 20 * memory.saved_per_layer(cfg)
     assert base["saved_inputs"] == 32 * memory.saved_per_layer(cfg)
 
@@ -119,10 +119,12 @@ def test_kept_attention_goes_to_the_layers_before_the_saving_ones(monkeypatch):
     on = tiny("model.layers=3", "data.batch_size=2", "optim.lr=1e-2", "optim.clip_norm=1.3",
               "model.attention=blockwise", "stream.attention_chunk=16",
               "stream.keep_attention=on", "stream.keep_layers=1")
-    assert memory.keep_attention_layers(on, None) == 2
+    assert memory.plan_of(trainers.placed(on, 1)).attention_layers == 2
     cfg7b = load_config("7b", ["stream.keep_attention=on", "stream.keep_layers=12"])
-    device, _ = memory.step_bytes(cfg7b, 1, None)
-    assert device["kept_attention"] == 20 * memory.kept_per_layer(cfg7b)
+    rates = presets.PRESETS["H200"].rates(cfg7b)
+    planned = planner.plan_placement(cfg7b, None, None, 1, rates)  # the room unknown
+    assert planned.plan.attention_layers == 20 and planned.plan.saving_layers == 12
+    assert planned.device["kept_attention"] == 20 * memory.kept_per_layer(cfg7b)
     calls = []
     from megatrain_jax.stream import programs
     build = programs.build_programs
@@ -143,20 +145,25 @@ def test_keep_layers_refused_with_the_fix():
                                           r"model.layers = 2\]"):
         tiny("stream.keep_layers=5")
     with pytest.raises(ConfigError, match="set stream.keep_layers=0"):
-        trainers.keep_layers(tiny("stream.keep_layers=1"), mesh=object())
+        trainers.check_pins(tiny("stream.keep_layers=1"), mesh=object())
     with pytest.raises(ValueError, match="keep_layers must be >= 0"):
         StreamEngine(trainers.llama_templates(tiny()), optim.build_stream_optimizer(tiny()),
                      keep_layers=-1)
 
 
-def test_plan_names_the_most_saving_layers_that_fit():
+def test_plan_refuses_too_many_saving_layers_and_the_planner_places_fewer():
+    """30 saving layers of 64 x 1024 tokens beyond the H200's share: the refusal names
+    stream.keep_layers=auto, whose placement saves no more layers than fit."""
     from megatrain_jax.tools import plan
 
     cfg = load_config("7b", ["data.batch_size=64", "data.micro_batches=4",
                              "stream.keep_layers=30"])
     host, gpu = 125 * 2**30, 133 * 2**30
     fits = [k for k in range(31)
-            if plan._fits(memory.replaced(cfg, "stream", keep_layers=k), host, gpu)]
+            if plan._fits(memory.replaced(cfg, "stream", keep_layers=str(k)), host, gpu)]
     assert 0 < max(fits) < 30
-    with pytest.raises(ConfigError, match=rf"stream.keep_layers={max(fits)}\b"):
+    with pytest.raises(ConfigError, match=r"Changes that fit: stream.keep_layers=auto\."):
         plan.check_fits(cfg, host, gpu)
+    auto = plan.estimate(memory.replaced(cfg, "stream", keep_layers="auto"), gpu, host)
+    assert auto["refused"] is None
+    assert 0 < memory.plan_of(auto["config"]).saving_layers <= max(fits)

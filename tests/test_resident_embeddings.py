@@ -12,9 +12,10 @@ import pytest
 from conftest import Transfers, agrees_with_reference_while_clipping, tiny
 
 from megatrain_jax import model
-from megatrain_jax.config import load_config, memory
+from megatrain_jax.config import load_config, memory, memory_lines
+from megatrain_jax.config.memory import PlacementPlan
 from megatrain_jax.io.data import TokenSource
-from megatrain_jax.planning import roofline
+from megatrain_jax.planning import planner, presets, roofline
 from megatrain_jax.stream.placement import memory_kinds
 from megatrain_jax.tools import plan
 from megatrain_jax.train import StreamTrainer, trainers
@@ -103,63 +104,64 @@ def test_a_nan_in_the_resident_head_stops_every_guess_and_writes_nothing():
         np.testing.assert_array_equal(np.asarray(y), x)
 
 
-def test_auto_places_them_where_the_gpu_room_holds_them(monkeypatch):
-    cfg = memory.replaced(tiny("model.layers=4"), "stream", keep_weights="off")
+def test_the_planner_places_them_where_the_gpu_room_holds_them(monkeypatch):
+    """The layers pinned to stream: the planner puts the embedding and the head on the GPU
+    where they fit beside the rest and the headroom (the host's update and the link lose
+    their share, which the bound counts), not where they are a byte short or the room is
+    unknown; the trainer plans them in the room the device reports."""
+    cfg = tiny("model.layers=4", "stream.resident_layers=0", "stream.keep_layers=0",
+               "stream.keep_weights=off", "stream.saved_inputs=device")
     assert cfg.stream.resident_embeddings == "auto"  # the default
     need = memory.resident_embedding_bytes(cfg)
     assert need == 16 * cfg.model.embedding_params  # weights, two moments, gradients
     assert cfg.model.embedding_params == 2 * cfg.model.vocab_size * cfg.model.hidden + \
         cfg.model.hidden
-    off = memory.replaced(cfg, "stream", resident_embeddings="off")
-    base, _ = memory.step_bytes(off, 1, None)
-    # Room for them beside the rest, the headroom and one working set free, less the fetched
-    # embedding they replace: just enough, and a byte short.
-    fits = (sum(base.values()) + memory.SPLIT_HEADROOM + need - base["embedding"]
-            + memory.activations(cfg)["working_set_total"])
+    base = memory.device_bytes(cfg, PlacementPlan())
+    there = memory.device_bytes(cfg, PlacementPlan(resident_embeddings=True))
+    assert there["resident_embeddings"] == need and there["embedding"] == 0  # used in place
+    assert base["resident_embeddings"] == 0 and base["embedding"] > 0
+    fits = sum(there.values()) + memory.HEADROOM  # just enough, and a byte short
+    rates = presets.PRESETS["H200"].rates(cfg)
     for gpu, on in ((fits, True), (fits - 1, False), (None, False)):
-        assert memory.embeddings_resident(cfg, gpu) is on
-        device, _ = memory.step_bytes(cfg, 1, gpu)
-        assert device["resident_embeddings"] == (need if on else 0)
-        assert device["embedding"] == (0 if on else base["embedding"])
-    assert memory.resolved(cfg, fits).stream.resident_embeddings == "on"
-    assert memory.embeddings_resident(memory.replaced(cfg, "stream", resident_embeddings="on"),
-                                      None)
+        planned = planner.plan_placement(cfg, gpu, None, 1, rates)
+        assert planned.plan.resident_embeddings is on
+        assert planned.device == (there if on else base)
+    assert planner.resolve(cfg, fits, None, 1, rates).stream.resident_embeddings == "on"
+    pinned = memory.replaced(cfg, "stream", resident_embeddings="on")
+    assert planner.plan_placement(pinned, None, None, 1, rates).plan.resident_embeddings
     assert not StreamTrainer(cfg).engine.placement.resident_embeddings  # a CPU: room unknown
     monkeypatch.setattr(trainers, "device_memory_bytes", lambda: fits)
     assert StreamTrainer(cfg).engine.placement.resident_embeddings
 
 
-def test_the_plan_takes_them_off_the_host_but_the_pool_keeps_their_room():
-    """At 7b on an H200 auto places them on the GPU: the host holds and moves the layers'
-    state only, but the pinned pool, sized before JAX settles auto, keeps room for them."""
+def test_the_plan_takes_them_off_the_host():
+    """At 7b on the H200 box the planner places them on the GPU: the host holds, moves and
+    updates the streamed layers' state only, and its pinned pool leaves their room out."""
     cfg = load_config("7b", ["mesh.data=1"])
-    m, gpu = cfg.model, plan.usable_gpu_bytes(141 * GiB)
-    streamed = memory.replaced(cfg, "stream", resident_embeddings="off")
-    est, off = plan.estimate(cfg, gpu), plan.estimate(streamed, gpu)
-    layers = m.layers * m.params_per_layer
-    assert est["host"]["master_weights"] == 4 * layers
-    assert off["host"]["master_weights"] == 4 * m.num_params
+    m, gpu, host = cfg.model, plan.usable_gpu_bytes(141 * GiB), 125 * GiB
+    est = plan.estimate(cfg, gpu, host)
+    run, placement = est["config"], memory.plan_of(est["config"])
+    assert placement.resident_embeddings
+    streamed_layers = (m.layers - placement.resident_layers) * m.params_per_layer
+    assert est["host"]["master_weights"] == 4 * streamed_layers
     assert est["device"]["resident_embeddings"] == memory.resident_embedding_bytes(cfg)
-    assert est["pool_state"] == pytest.approx(off["pool_state"], abs=8)  # auto: room for them
-    on = memory.replaced(cfg, "stream", resident_embeddings="on")
-    assert plan.estimate(on, gpu)["pool_state"] < off["pool_state"]
-    assert roofline.host_params(memory.resolved(cfg, gpu)) == layers
-    # The bound's host terms carry the layers only.
+    assert est["device"]["embedding"] == 0
+    streamed = planner.pinned_config(run, dataclasses.replace(placement,
+                                                              resident_embeddings=False))
+    off = plan.estimate(streamed, gpu, host)
+    assert off["host"]["master_weights"] == 4 * (streamed_layers + m.embedding_params)
+    # Weights, two moments and fp32 gradients: none of them in the pool.
+    assert off["pool_state"] - est["pool_state"] == 16 * m.embedding_params
+    assert roofline.host_params(run) == streamed_layers
+    # The bound's host terms carry the streamed layers only.
     rates = roofline.Rates(h2d_gbps=50.0, d2h_gbps=50.0, layer_forward_s=0.01,
                            layer_backward_s=0.03, head_s=0.05, optimizer_gparams=4.0,
                            host_memory_gbps=130.0)
-    there = roofline.bound_for(memory.resolved(cfg, gpu), rates)
-    here = roofline.bound_for(streamed, rates)
-    assert there["optimizer_s"] == pytest.approx(layers / 4e9)
-    assert here["optimizer_s"] == pytest.approx(m.num_params / 4e9)
+    there, here = roofline.bound_for(run, rates), roofline.bound_for(streamed, rates)
+    assert there["optimizer_s"] == pytest.approx(streamed_layers / 4e9)
+    assert here["optimizer_s"] == pytest.approx((streamed_layers + m.embedding_params) / 4e9)
     assert there["step_s"] < here["step_s"]
-    assert plan.host_traffic(cfg, gpu)["gradients"] == 2.0  # bf16 layer gradients alone
-    lines = "\n".join(memory_lines_for(cfg, gpu))
-    assert "stream.resident_embeddings=auto): there, updated there" in lines
-    assert "found at the start" in "\n".join(memory_lines_for(cfg, None))
-
-
-def memory_lines_for(cfg, gpu):
-    from megatrain_jax.config import memory_lines
-
-    return memory_lines.describe(cfg, gpu)
+    assert plan.host_traffic(run)["gradients"] == 2.0  # bf16 layer gradients alone
+    assert "  embedding and head: GPU, updated there" in memory_lines.placement_lines(run)
+    unknown = planner.resolve(cfg, None, host, 1, rates)  # the room unknown
+    assert "  embedding and head: host, streamed" in memory_lines.placement_lines(unknown)

@@ -148,8 +148,12 @@ def test_streamed_matches_the_reference_in_each_state_dtype(state_dtype):
             continue
         ours, theirs = np.asarray(ours), np.asarray(theirs)
         differ = ours != theirs  # a rare neighbour on the grid, from rounding upstream
-        assert np.mean(differ) <= (1e-3 if ours.dtype == np.uint8 else 1e-2)
-        if ours.dtype != np.uint8:  # bf16: within one ulp of the leaf's largest values
+        if ours.dtype == np.uint8:  # int8 codes index a sorted table: the next code up or down
+            # One in a thousand, or a single code in a leaf of fewer (a 32 x 16 leaf: 1/512).
+            assert np.count_nonzero(differ) <= max(1, 1e-3 * ours.size)
+            assert np.all(np.abs(ours[differ].astype(int) - theirs[differ].astype(int)) == 1)
+        else:  # bf16: within one ulp of the leaf's largest values
+            assert np.mean(differ) <= 1e-2
             assert max_rel_error(ours, theirs) <= 2.0**-7
 
 

@@ -524,16 +524,12 @@ def test_a_refusal_names_the_compact_state_that_fits(capsys):
     assert not [c for c in plan.fitting_changes(lion, 60 * GiB, 20 * GiB) if "state_dtype" in c]
 
 
-@pytest.mark.xfail(strict=True, reason="the refusal's own advice names optim.state_dtype, "
-                   "which Lion does not take (planning/planner.py: _refusal)")
 def test_a_refusal_without_compact_moments_names_no_state_dtype():
     with pytest.raises(ConfigError) as refused:
         plan.check_fits(load_config("14b", ["optim.name=lion"]), host=60 * GiB, gpu=20 * GiB)
     assert "state_dtype" not in str(refused.value)
 
 
-@pytest.mark.xfail(strict=True, reason="plan passes host_bytes_per_param the resolved config: "
-                   "the other forms keep this one's placement (tools/plan_report.py)")
 def test_plan_places_each_form_of_the_state_anew(capsys):
     """`plan`'s host bytes a parameter by optim.state_dtype: each form placed anew, as a run
     in that form would be (host_bytes_per_param of the config as given)."""

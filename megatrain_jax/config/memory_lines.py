@@ -53,8 +53,8 @@ def placement_lines(cfg: Config, pins: Config | None = None) -> list[str]:
             first = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
             rows.append((f"{first} ({i - start})", *_layer_row(plan, layers, start)))
             start = i
-    lines = [f"  {'layers':12s}{'state':11s}{'backward':38s}saved input on"]
-    lines += [f"  {a:12s}{b:11s}{c:38s}{e}" for a, b, c, e in rows]
+    lines = [f"  {'layers':12s}{'state':11s}{'backward':50s}saved input on"]
+    lines += [f"  {a:12s}{b:11s}{c:50s}{e}" for a, b, c, e in rows]
     home = "GPU, updated there" if plan.resident_embeddings else "host, streamed"
     lines.append(f"  embedding and head: {home}")
     if pins is not None:

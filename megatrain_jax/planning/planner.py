@@ -35,7 +35,7 @@ import dataclasses
 
 import numpy as np
 
-from megatrain_jax.config import Config, ConfigError, auto, memory
+from megatrain_jax.config import HOST_OPTIMIZERS, Config, ConfigError, auto, memory
 from megatrain_jax.config.memory import HEADROOM, PlacementPlan
 from megatrain_jax.config.schema import pinned
 from megatrain_jax.planning import roofline
@@ -307,9 +307,10 @@ def _refusal(cfg: Config, grid: dict, gpu: int | None, host: int | None) -> str:
                 f"GPU budget is {gpu / GiB:.1f} GiB: lower the tokens a micro-batch "
                 "(data.micro_batches, data.seq_len), or raise stream.gpu_budget_gb.")
     least = grid["host_total"][on_gpu].min()
+    compact = ", optim.state_dtype=bfloat16 or int8" if cfg.optim.name in HOST_OPTIMIZERS else ""
     most = grid["resident_layers"][on_gpu].max()
     return (f"The model needs {least / GiB:.1f} GiB of host memory ({size} in fp32 with "
             f"{cfg.optim.name} state; the GPU holds {most} of its {m.layers} layers' state "
             f"within its {(gpu or 0) / GiB:.1f} GiB budget) but only {host / GiB:.1f} GiB is "
-            "available: use a smaller model, optim.state_dtype=bfloat16 or int8, or a machine "
-            "with more memory (`megatrain-jax plan` shows the largest shape that fits).")
+            f"available: use a smaller model{compact}, or a machine with more memory "
+            "(`megatrain-jax plan` shows the largest shape that fits).")

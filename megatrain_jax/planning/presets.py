@@ -54,7 +54,8 @@ class Machine:
             optimizer_gparams=self.optimizer_gparams,
             overlapped_update=cfg.stream.update != "device",
             host_memory_gbps=self.host_memory_gbps, update_loss_h2d=self.update_loss_h2d,
-            update_loss_d2h=self.update_loss_d2h, device_memory_gbps=self.device_memory_gbps)
+            update_loss_d2h=self.update_loss_d2h,
+            device_memory_gbps=self.device_memory_gbps * devices)  # each GPU its shard
 
 
 def layer_flops(cfg: Config) -> float:

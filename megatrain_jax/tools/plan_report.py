@@ -33,7 +33,7 @@ def cmd_plan(args) -> int:
     cfg = est["config"]  # placed: every placement key settled
     print(f"{cfg.model.num_params / 1e9:.2f}B parameters, {cfg.model.layers} layers, "
           f"{cfg.data.tokens_per_step:,} tokens per step, trainer={cfg.loop.trainer}")
-    _print_memory(cfg, est, gpu, host)
+    _print_memory(given, cfg, est, gpu, host)
     if cfg.loop.trainer == "stream":
         _print_placement(given, cfg, est, gpu, rates, source, measured)
     _print_fit(given, est, host, gpu, total_gpu, args)
@@ -46,7 +46,7 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _print_memory(cfg, est: dict, gpu: int | None, host: int | None) -> None:
+def _print_memory(given, cfg, est: dict, gpu: int | None, host: int | None) -> None:
     """`plan`'s host and device components, the pinned pool and the host bytes a parameter."""
     for where in ("host", "device"):
         print(f"{where}:" if where == "host" or est["devices"] == 1 else
@@ -59,7 +59,7 @@ def _print_memory(cfg, est: dict, gpu: int | None, host: int | None) -> None:
         cap = plan.pool_limit_gib(cfg, est["pool_state"])
         print(f"  pinned host pool      {_gib(plan.pinned_pool_bytes(cfg))}  (holds the host "
               f"state above; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={cap} a GPU, set by `train`)")
-        modes = plan.host_bytes_per_param(cfg, gpu, host)
+        modes = plan.host_bytes_per_param(given, gpu, host)  # each placed anew
         if len(modes) > 1:
             print("host bytes per parameter by optim.state_dtype (with these gradients and "
                   "the runtime): " + ", ".join(f"{k} {v:.1f}" for k, v in modes.items()))

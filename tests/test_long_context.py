@@ -320,8 +320,9 @@ def test_plan_accepts_7b_at_262144_on_the_h200_box(capsys):
     assert code == 0, out
     est = plan.estimate(load_config("7b", args), 133 * GiB, 125 * GiB)
     placement = memory.plan_of(est["config"])
-    # Some layers' inputs (2 GiB each) wait on the host, the others' on the GPU.
-    assert 0 < placement.host_inputs < 32
+    # Inputs (2 GiB a layer) wait on the host, where the GPU's room buys more as resident
+    # state and kept attention than as inputs kept there.
+    assert 0 < placement.host_inputs <= 32 and placement.attention_layers > 0
     assert est["host"]["saved_inputs"] == placement.host_inputs * 2 * GiB
     for part in ("attention             cudnn", "tiles of 8,192 tokens",
                  f"saved_inputs          {placement.host_inputs * 2:8.2f} GiB",

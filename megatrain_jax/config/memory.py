@@ -54,7 +54,7 @@ class PlacementPlan:
 
     def streamed_saving(self, layers: int) -> int:
         """The saving layers that stream (not resident): their backward fetches no weights."""
-        return self.saving_layers - max(0, self.resident_layers + self.saving_layers - layers)
+        return np.minimum(self.saving_layers, layers - self.resident_layers)
 
     def unfetched(self, layers: int) -> int:
         """Streamed layers whose backward fetches no weights: saving, or keeping them."""

@@ -49,7 +49,7 @@ import math
 import numpy as np
 
 from megatrain_jax.config import ModelConfig, host_update, layer_grad_dtype
-from megatrain_jax.config.memory import optimizer_bytes, plan_of, saved_per_layer
+from megatrain_jax.config.memory import PlacementPlan, optimizer_bytes, plan_of, saved_per_layer
 from megatrain_jax.tools.probe import planned_devices
 
 # Host memory bytes of the in-place AdamW per parameter: p, g, mu, nu read; p, mu, nu written.
@@ -249,20 +249,18 @@ SHARES = np.linspace(0.0, 1.0, 21)
 def bound_of(cfg, placement, rates: Rates, devices: int, share=0.0) -> dict:
     """`bound` of cfg's step under a placement (a `memory.PlacementPlan`, or the planner's
     dict of arrays, one element a candidate), `share` of the update during the backward."""
-    get = (placement.get if isinstance(placement, dict)
-           else lambda key: getattr(placement, key))
-    m = cfg.model
-    r, e = get("resident_layers"), get("resident_embeddings")
-    saving = get("saving_layers")
-    grad = gradient_bytes_at(cfg, r, e, devices)
+    if isinstance(placement, dict):
+        placement = PlacementPlan(**{f.name: placement[f.name]
+                                     for f in dataclasses.fields(PlacementPlan)})
+    p, m = placement, cfg.model
+    grad = gradient_bytes_at(cfg, p.resident_layers, p.resident_embeddings, devices)
     return bound(
-        m, rates, resident_layers=r, grad_bytes=grad,
+        m, rates, resident_layers=p.resident_layers, grad_bytes=grad,
         update_bytes=8 + grad + 2 * optimizer_bytes(cfg), speculate=share,
-        kept_layers=get("weight_layers") + saving - np.maximum(0, r + saving - m.layers),
-        resident_embeddings=e, saving_layers=saving,
-        attention_layers=get("attention_layers"),
+        kept_layers=p.unfetched(m.layers), resident_embeddings=p.resident_embeddings,
+        saving_layers=p.saving_layers, attention_layers=p.attention_layers,
         attention_s=rates.layer_forward_s * attention_share(cfg),
-        host_input_bytes=get("host_inputs") * saved_per_layer(cfg))
+        host_input_bytes=p.host_inputs * saved_per_layer(cfg))
 
 
 def attention_share(cfg) -> float:

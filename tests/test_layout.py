@@ -75,3 +75,15 @@ def test_imports_go_downward_only():
             if targets and max(targets) > own:
                 upward.append(f"{relative}: imports {names[0]}")
     assert not upward, "\n".join(upward)
+
+
+def test_every_package_is_in_the_distribution():
+    """pyproject.toml lists the packages a `pip install .` carries: a new one left out imports
+    from the checkout but not from an install."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+                 ["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(PACKAGE.parent).parts)
+             for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

@@ -33,13 +33,6 @@ Sections: model, optim, schedule, data, stream, mesh, loop (docs/config.md lists
 """
 
 
-GiB = 2**30
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:8.2f} GiB"
-
-
 def _count(n: int) -> str:
     """6.74B, 124.4M, 30.1K: a parameter count at a glance."""
     for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):

@@ -81,15 +81,15 @@ def plan_placement(cfg: Config, gpu: int | None, host: int | None, devices: int,
     if not fitting.any():
         raise ConfigError(_refusal(cfg, grid, gpu, host))
     grid = {name: values[fitting] for name, values in grid.items()}
-    clipping, guessing = _bounds(cfg, grid, rates, devices)
     objective = score(cfg, grid, rates, devices)
     best = objective.min()
     tied = np.flatnonzero(objective <= best * (1 + 1e-9))
     order = np.lexsort(tuple(-grid[key][tied] for key in reversed(_TIE_ORDER)))
     k = tied[order[0]]
     plan = _plan_at(grid, k)
+    clipping, guessing = _bounds(cfg, plan, rates, devices)  # the chosen one's, as reported
     limited = roofline.bound_of(cfg, plan, rates, devices)["limited_by"]
-    return Planned(plan, float(objective[k]), float(clipping[k]), float(guessing[k]), limited,
+    return Planned(plan, float(objective[k]), float(clipping), float(guessing), limited,
                    memory.device_bytes(cfg, plan, devices),
                    int(grid["host_total"][k]), gpu)
 

@@ -38,7 +38,7 @@ from common import tokens_per_s as steps_tokens_per_s  # noqa: E402
 
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
 from megatrain_jax.config.memory import plan_of  # noqa: E402
-from megatrain_jax.planning.presets import at_optimizer_rate  # noqa: E402
+from megatrain_jax.planning.presets import at_optimizer_rate, expected_seconds  # noqa: E402
 from megatrain_jax.planning.roofline import (  # noqa: E402
     Rates,
     bound_for,
@@ -260,17 +260,17 @@ def run(cfg, trainer, state, args):
 
 
 def predicted(cfg) -> dict:
-    """The planner's prediction of cfg's step at the rates of this machine's preset."""
-    rates, n = plan.machine_rates(cfg), plan.planned_devices(cfg)
-    placement = plan_of(cfg)
-    clipping = bound_of(cfg, placement, rates, n)["step_s"]
-    guessing = bound_for(cfg, rates, n)["step_s"]
-    tokens, achieved = cfg.data.tokens_per_step, plan.machine().achieved
-    return {"clipping_s": clipping, "guessing_s": guessing,
-            "tokens_per_s_clipping": tokens / clipping, "tokens_per_s_guessing": tokens / guessing,
-            # What `plan` expects: the bound's tokens/s at the share the machine achieves.
-            "expected_tokens_per_s_clipping": achieved * tokens / clipping,
-            "expected_tokens_per_s_guessing": achieved * tokens / guessing}
+    """The planner's prediction of cfg's step at the rates of this machine's preset: its
+    bounds, and the steps `plan` expects (presets.expected_seconds)."""
+    rates, n, machine = plan.machine_rates(cfg), plan.planned_devices(cfg), plan.machine()
+    clipping = bound_of(cfg, plan_of(cfg), rates, n)
+    guessing = bound_for(cfg, rates, n)
+    tokens = cfg.data.tokens_per_step
+    return {"clipping_s": clipping["step_s"], "guessing_s": guessing["step_s"],
+            "tokens_per_s_clipping": tokens / clipping["step_s"],
+            "tokens_per_s_guessing": tokens / guessing["step_s"],
+            "expected_tokens_per_s_clipping": tokens / expected_seconds(clipping, machine),
+            "expected_tokens_per_s_guessing": tokens / expected_seconds(guessing, machine)}
 
 
 if __name__ == "__main__":

@@ -153,12 +153,14 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
     monkeypatch.setattr(plan, "gpu_memory_bytes", lambda: 139 * GiB)
     rates_file = tmp_path / "bench.json"
     rates_file.write_text(json.dumps({"roofline": RATES_7B, "tokens_per_step": 16384}))
+    # Some layers streamed (pinned: at these rates the whole model would be resident).
     assert main(["plan", "7b", "data.batch_size=16", "data.seq_len=1024",
-                 "--rates", str(rates_file)]) == 0
+                 "stream.resident_layers=24", "--rates", str(rates_file)]) == 0
     out = capsys.readouterr().out
     rates = roofline.Rates.from_result(RATES_7B)
     # Placed as `train` places it on this machine, at the rates of the file.
-    est = plan.estimate(load_config("7b"), plan.usable_gpu_bytes(139 * GiB), 125 * GiB, rates)
+    est = plan.estimate(load_config("7b", ["stream.resident_layers=24"]),
+                        plan.usable_gpu_bytes(139 * GiB), 125 * GiB, rates)
     cfg, gib = est["config"], lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
     for part in ("master_weights", "optimizer_state", "gradients", "pinned host pool",
                  "saved_inputs", "workspace", "resident_layers",

@@ -137,7 +137,7 @@ def test_the_planner_places_them_where_the_gpu_room_holds_them(monkeypatch):
 def test_the_plan_takes_them_off_the_host():
     """At 7b on the H200 box the planner places them on the GPU: the host holds, moves and
     updates the streamed layers' state only, and its pinned pool leaves their room out."""
-    cfg = load_config("7b", ["mesh.data=1"])
+    cfg = load_config("7b", ["mesh.data=1", "stream.resident_layers=24"])  # some streamed
     m, gpu, host = cfg.model, plan.usable_gpu_bytes(141 * GiB), 125 * GiB
     est = plan.estimate(cfg, gpu, host)
     run, placement = est["config"], memory.plan_of(est["config"])

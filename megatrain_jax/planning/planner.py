@@ -38,19 +38,13 @@ import numpy as np
 from megatrain_jax.config import HOST_OPTIMIZERS, Config, ConfigError, auto, memory
 from megatrain_jax.config.memory import HEADROOM, PlacementPlan
 from megatrain_jax.config.schema import pinned
-from megatrain_jax.planning import roofline
+from megatrain_jax.planning import presets, roofline
 
 GiB = 2**30
 # The planner weighs each placement at the given rates and at a host this much slower (its
 # memory and its update): the same kind of host varies by about a third between machines
 # (117-166 GB/s), and a placement the host barely keeps pace with is the first to lose.
 SLOWER_HOST = 0.8
-# The share of the host's own work a placement is charged beside the bound, where that work
-# is hidden behind the GPU's: it still holds the host's memory, cores and link, which other
-# work shares; where the bound cannot tell placements apart, the one that leaves more of the
-# state on the GPU wins (7b at 16 x 1024 on the H200: 26 and 32 resident layers measured the
-# same within 1%).
-HOST_RENT = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,17 +90,16 @@ def plan_placement(cfg: Config, gpu: int | None, host: int | None, devices: int,
 
 def score(cfg: Config, placement, rates: roofline.Rates, devices: int):
     """What the planner minimizes for a placement (a PlacementPlan, or a grid of candidates:
-    one score each): the mean of the bounds of a step that clips and of one that does not,
-    at `rates` and at a host SLOWER_HOST as fast, and HOST_RENT of the host's own work (its
-    update and its memory's traffic) beside the GPU's, hidden or not."""
+    one score each): the step expected of it (presets.expected_seconds), from the mean of the
+    bounds of a step that clips and of one that does not, at `rates` and at a host
+    SLOWER_HOST as fast. The host update's drag counts even where the bound hides it, so
+    that where bounds tie, the placement that leaves more of the state on the GPU wins."""
     slow = dataclasses.replace(rates, host_memory_gbps=rates.host_memory_gbps * SLOWER_HOST,
                                optimizer_gparams=rates.optimizer_gparams * SLOWER_HOST)
     bounds = (sum(_bounds(cfg, placement, rates, devices))
               + sum(_bounds(cfg, placement, slow, devices))) / 4
     terms = roofline.bound_of(cfg, placement, rates, devices)
-    host_work = (terms["optimizer_s"] + terms["host_memory_forward_s"]
-                 + terms["host_memory_backward_s"])
-    return bounds + HOST_RENT * host_work
+    return presets.expected_seconds({**terms, "step_s": bounds}, presets.MEASURED)
 
 
 def _keeps_pins(cfg: Config, grid: dict):

@@ -175,6 +175,8 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
         "compute_forward_s": forward, "compute_head_s": head, "compute_backward_s": backward,
         "h2d_per_pass_s": weight_pass, "h2d_backward_s": h2d_back, "inputs_to_host_s": inputs_out,
         "d2h_s": gradients, "optimizer_s": optimizer, "resident_update_s": resident_update,
+        # The host update's own seconds where it runs beside the GPU's work (not on the device).
+        "host_update_s": optimizer * (1.0 if rates.overlapped_update else 0.0),
         "host_memory_forward_s": host["forward"], "host_memory_backward_s": host["backward"],
         "update_forward_s": update_forward, "update_backward_s": update_backward,
         "ideal_s": ideal, "step_s": step,

@@ -81,14 +81,15 @@ def _print_placement(given, cfg, est: dict, gpu, rates, source: str, measured) -
           f"optimizer {rates.optimizer_gparams:.2f} G params/s, host memory "
           f"{rates.host_memory_gbps:.0f} GB/s, layer forward+backward "
           f"{(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms")
-    achieved = plan.machine().achieved
+    machine = plan.machine()
     print(f"step bound: {b['step_s']:.3f} s ({tokens / b['step_s']:,.0f} tokens/s) where steps "
           f"do not clip, {clipping['step_s']:.3f} s ({tokens / clipping['step_s']:,.0f} "
           f"tokens/s) where they clip; the largest cost: "
           f"{clipping['limited_by'].replace('_', ' ')}")
-    print(f"expected: {achieved * tokens / b['step_s']:,.0f} and "
-          f"{achieved * tokens / clipping['step_s']:,.0f} tokens/s ({achieved:.0%} of the "
-          "bound, what this engine achieves on the machine kind)")
+    print(f"expected: {tokens / presets.expected_seconds(b, machine):,.0f} and "
+          f"{tokens / presets.expected_seconds(clipping, machine):,.0f} tokens/s (the bound "
+          f"times {machine.over_bound:g}, plus {machine.host_drag:.0%} of the host update's "
+          "seconds: what this engine takes on the machine kind)")
     placement = memory.plan_of(cfg)
     compute_from = roofline.compute_bound_tokens(
         cfg.model, rates, tokens, placement.resident_layers, placement.resident_embeddings,
@@ -135,9 +136,9 @@ def _print_fit(given, est: dict, host, gpu, total_gpu, args) -> None:
 
 def _print_budgets(given, host, total_gpu, rates, budgets: str) -> None:
     """The placement and predicted tokens/s at each GPU budget of `--budgets`."""
-    achieved = plan.machine().achieved
-    print(f"by GPU budget (stream.gpu_budget_gb): the placement and the tokens/s expected at "
-          f"these rates ({achieved:.0%} of the bound's, as measured on this machine kind)")
+    machine = plan.machine()
+    print("by GPU budget (stream.gpu_budget_gb): the placement and the tokens/s expected at "
+          "these rates (as above)")
     print(f"  {'GiB':>6s}  {'resident':>8s}  {'saving':>6s}  {'kept w.':>7s}  "
           f"{'inputs on host':>14s}  {'tokens/s (no clip / clip)':>26s}")
     usable = plan.usable_gpu_bytes(total_gpu)
@@ -150,11 +151,11 @@ def _print_budgets(given, host, total_gpu, rates, budgets: str) -> None:
             continue
         run, n = est["config"], est["devices"]
         placement, tokens = memory.plan_of(run), run.data.tokens_per_step
-        guess = roofline.bound_for(run, rates, n)["step_s"]
-        clip = roofline.bound_of(run, placement, rates, n)["step_s"]
+        guess = presets.expected_seconds(roofline.bound_for(run, rates, n), machine)
+        clip = presets.expected_seconds(roofline.bound_of(run, placement, rates, n), machine)
         print(f"  {budget:6g}  {placement.resident_layers:8d}  {placement.saving_layers:6d}  "
               f"{placement.weight_layers:7d}  {placement.host_inputs:14d}  "
-              f"{achieved * tokens / guess:>12,.0f} / {achieved * tokens / clip:<11,.0f}")
+              f"{tokens / guess:>12,.0f} / {tokens / clip:<11,.0f}")
 
 
 def _budget_list(text: str) -> list[float]:

@@ -114,3 +114,59 @@ def test_checkpoint_of_another_model_is_refused_with_the_difference(tmp_path):
     assert train(_cfg(tmp_path, "loop.steps=5"))["finished_before"]  # nothing left to do
     with pytest.raises(ConfigError, match="already holds step 5, past loop.steps=4"):
         train(_cfg(tmp_path, "loop.steps=4"))
+
+
+@pytest.mark.parametrize("trainer", ["stream_resident", "reference"])
+def test_a_save_copies_the_gpu_state_one_array_at_a_time_while_training_goes_on(
+        tmp_path, monkeypatch, trainer):
+    """Arrays in GPU memory are copied to the host by the writer, one at a time, not when the
+    save starts; the next step's update, which donates them, waits until the save has read
+    them, and the checkpoint holds the state as it was when the save began."""
+    import threading
+
+    from megatrain_jax.io import array_files, saving
+    from megatrain_jax.io.data import TokenSource
+
+    cfg = _cfg(tmp_path, "loop.steps=2", "stream.resident_embeddings=on", *TRAINERS[trainer])
+    run = make_trainer(cfg)
+    state = run.init(jax.random.key(0))
+    data = TokenSource(run.cfg)
+    state, _ = run.train_step(state, data.batch_at(0))
+    tree = run.state_tree(state)
+    before = jax.tree.map(lambda a: np.array(a, copy=True), tree)
+    on_gpu = [leaf for leaf in jax.tree.leaves(tree) if memory_kinds(leaf) == {"device"}]
+    assert on_gpu
+    deferred = [piece for source in saving.sources(on_gpu, whole=True)
+                for _, _, pieces, _ in source["shards"] for piece in pieces]
+    assert all(isinstance(piece, array_files.DeviceRead) for piece in deferred)  # none copied
+
+    release, copying, held = threading.Event(), threading.Lock(), [0, 0]
+    read = array_files.DeviceRead.__call__
+
+    def slow_read(self):  # the first device array waits; copies alive at once are counted
+        release.wait()
+        with copying:
+            held[0] += 1
+            held[1] = max(held)
+        try:
+            return read(self)
+        finally:
+            with copying:
+                held[0] -= 1
+
+    monkeypatch.setattr(array_files.DeviceRead, "__call__", slow_read)
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    ckpt.save(1, tree, {"step": 1})
+    stepped = []
+    step = threading.Thread(target=lambda: stepped.append(run.train_step(
+        state, data.batch_at(1), before_write=ckpt.wait_written)))
+    step.start()
+    step.join(0.5)
+    assert step.is_alive()  # its update waits for the save to read the GPU's arrays
+    release.set()
+    step.join()
+    ckpt.wait()
+    assert stepped and 1 <= held[1] <= 4
+    restored, _ = ckpt.restore(1, run.abstract_state())
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(x, np.asarray(y))

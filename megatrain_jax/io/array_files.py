@@ -1,6 +1,7 @@
 """One array in one file: written from its buffer in chunks, checksummed, read back checked.
 
     data = host_bytes(array)                    # a view of a host buffer, else a host copy
+    data = in_hand(host_pieces(array, deferred=True))   # device arrays copied only here
     checksum = write_array(path, data, dtype)   # raises NonFinite before writing inf or NaN
     read_array(path, nbytes, dtype, checksum, into=None)   # raises Damaged with the reason
 
@@ -48,7 +49,13 @@ def byte_view(array: np.ndarray) -> np.ndarray:
 def host_bytes(array) -> np.ndarray:
     """The bytes of a JAX array as a flat uint8 NumPy array: a view of the buffer itself when
     it sits in host memory in row-major order (the caller keeps `array` alive and unwritten
-    while it reads), else a host copy (of a device array, which the next step may donate)."""
+    while it reads), else a host copy (`DeviceRead`)."""
+    view = _host_view(array)
+    return view if view is not None else DeviceRead(array)()
+
+
+def _host_view(array) -> np.ndarray | None:
+    """A read-only view of a host-memory, row-major array's buffer; None for any other."""
     device = next(iter(array.devices()))
     layout = getattr(getattr(array, "format", None), "layout", None)
     major_to_minor = getattr(layout, "major_to_minor", None)
@@ -56,33 +63,66 @@ def host_bytes(array) -> np.ndarray:
     in_host_memory = array.sharding.memory_kind != device.default_memory().kind
     nbytes = int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
     array.block_until_ready()
-    if in_host_memory and row_major and nbytes:
-        raw = (ctypes.c_uint8 * nbytes).from_address(array.unsafe_buffer_pointer())
-        view = np.ctypeslib.as_array(raw)
-        view.flags.writeable = False
-        return view
-    host = np.asarray(array)  # from a GPU: a copy, cached on the array until it is donated
-    if nbytes and host.ctypes.data == array.unsafe_buffer_pointer():  # a CPU buffer in place
-        host, view = mapped_empty(host.shape, host.dtype), host
-        host[...] = view
-    return byte_view(np.ascontiguousarray(host))
+    if not (in_host_memory and row_major and nbytes):
+        return None
+    raw = (ctypes.c_uint8 * nbytes).from_address(array.unsafe_buffer_pointer())
+    view = np.ctypeslib.as_array(raw)
+    view.flags.writeable = False
+    return view
 
 
-def host_pieces(array) -> list[np.ndarray]:
+class DeviceRead:
+    """The bytes of an array in device memory, copied to the host when called: a save calls
+    it in its writer's thread, one array at a time, so that a checkpoint of the state the GPU
+    holds never has all of it in host memory at once (the caller keeps the array alive and
+    unwritten until the save has read it)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __call__(self) -> np.ndarray:
+        array, self.array = self.array, None
+        host = np.asarray(array)
+        nbytes = host.nbytes
+        if nbytes and host.ctypes.data == array.unsafe_buffer_pointer():  # a CPU buffer in place
+            host, view = mapped_empty(host.shape, host.dtype), host
+            host[...] = view
+        # JAX keeps the host copy on the array for later reads; this one is the save's alone,
+        # and goes once written.
+        if getattr(array, "_npy_value", None) is not None:
+            array._npy_value = None
+        return byte_view(np.ascontiguousarray(host))
+
+
+def readable(array) -> np.ndarray | DeviceRead:
+    """`host_bytes` of an array, but for one in device memory, the copy deferred to the
+    reader (`DeviceRead`)."""
+    view = _host_view(array)
+    return view if view is not None else DeviceRead(array)
+
+
+def host_pieces(array, deferred: bool = False) -> list:
     """The bytes of a JAX array, whole and in row-major order, as flat uint8 pieces: one, or
     one per shard of an array split over devices along its first dimension (each a view as
-    `host_bytes` makes it). A copy of a device being the same as another's, it is read once."""
+    `host_bytes` makes it, or with `deferred` as `readable` does). A copy of a device being the
+    same as another's, it is read once."""
+    read = readable if deferred else host_bytes
     if not array.is_fully_addressable:
         raise ValueError("an array with shards in other processes cannot be written by one")
     shards = {}
     for shard in array.addressable_shards:
         shards.setdefault(tuple((s.start or 0) for s in shard.index), shard.data)
     if len(shards) == 1:
-        return [host_bytes(next(iter(shards.values())))]
+        return [read(next(iter(shards.values())))]
     if all(data.shape[1:] == array.shape[1:] and data.nbytes % 8 == 0  # checksum words
            for data in shards.values()):
-        return [host_bytes(shards[start]) for start in sorted(shards)]
+        return [read(shards[start]) for start in sorted(shards)]
     return [byte_view(np.ascontiguousarray(np.asarray(array)))]
+
+
+def in_hand(pieces: list) -> list[np.ndarray]:
+    """`pieces` with every deferred one read (`DeviceRead`)."""
+    return [piece() if isinstance(piece, DeviceRead) else piece for piece in pieces]
 
 
 def drop_cache(fd: int) -> None:

@@ -27,11 +27,13 @@ STEP.partial/part-I.json; the first process, told by every other that its part i
 step is not visible, whichever process dies.
 
 Host memory: arrays in host memory (the streaming engine's pinned state) are read straight
-from their buffers, in chunks, with no copy, while training goes on; the caller must not write
-them until `wait_written()` returns. Arrays in device memory are copied to the host first,
-synchronously, since the next step may donate them. (orbax-checkpoint, used before, copies the
-state to host arrays to write it and checks no data on restore: its zarr3 format checksums
-shard indexes only.)
+from their buffers, in chunks, with no copy, while training goes on. Arrays in device memory
+(the state the GPU holds) are copied to the host one at a time, each by the thread that
+writes it, and freed once written: a save holds at most THREADS of them in host memory, never
+a second copy of the state. Either way the caller must not write or donate the state's arrays
+until `wait_written()` returns. (orbax-checkpoint, used before, copies the state to host
+arrays to write it and checks no data on restore: its zarr3 format checksums shard indexes
+only.)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrain_jax.config.memory import SAVE_THREADS
 from megatrain_jax.io import manifests, saving, shards
 from megatrain_jax.io.array_files import Damaged
 from megatrain_jax.io.checksum import Checksum
@@ -54,7 +57,7 @@ from megatrain_jax.io.saving import Writer
 
 __all__ = ["Checkpointer", "CheckpointError", "complete_steps", "foreign_steps", "free_bytes",
            "room_needed", "size", "tree_bytes"]
-THREADS = min(4, os.cpu_count() or 1)  # arrays written, verified or restored at once
+THREADS = min(SAVE_THREADS, os.cpu_count() or 1)  # arrays written, verified or restored at once
 
 
 def foreign_steps(directory: str | Path) -> list[int]:

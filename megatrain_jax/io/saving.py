@@ -43,7 +43,8 @@ def _file_name(path) -> str:
 
 def sources(tree, whole: bool) -> list[dict]:
     """What a save writes of each array of `tree`: {"key", "name", "shape", "dtype",
-    "shards": [(region, file, data, dtype)]}, data as array_files.host_pieces gives it. `whole`:
+    "shards": [(region, file, data, dtype)]}, data as array_files.host_pieces gives it, a
+    device array's copy deferred to the writer (array_files.DeviceRead). `whole`:
     the array in one file (a process that holds all of it); else this process's shards of it,
     those it holds the first copy of (jax's replica_id 0), one file each."""
     import jax
@@ -55,8 +56,8 @@ def sources(tree, whole: bool) -> list[dict]:
         names.add(name)
         dtype = np.dtype(array.dtype)
         if whole:
-            held = [(shards.whole(array.shape), f"{name}.bin", array_files.host_pieces(array),
-                     dtype)]
+            held = [(shards.whole(array.shape), f"{name}.bin",
+                     array_files.host_pieces(array, deferred=True), dtype)]
         else:
             held = []
             for shard in array.addressable_shards:
@@ -64,7 +65,7 @@ def sources(tree, whole: bool) -> list[dict]:
                     region = shards.region_of(shard.index, array.shape)
                     starts = ".".join(str(start) for start, _ in region)
                     held.append((region, f"{name}@{starts}.bin" if region else f"{name}.bin",
-                                 [array_files.host_bytes(shard.data)], dtype))
+                                 [array_files.readable(shard.data)], dtype))
         found.append({"key": jax.tree_util.keystr(path), "name": name,
                       "shape": list(array.shape), "dtype": dtype.name, "shards": held})
     return found
@@ -172,6 +173,7 @@ class Writer:
         def write(item) -> dict:
             name, shard = item
             region, file, data, dtype = shard
+            data = array_files.in_hand(data)  # a device array's host copy, this one's alone
             try:
                 checksum = array_files.write_array(partial / file, data, dtype)
             except NonFinite:
@@ -189,7 +191,7 @@ class Writer:
                       for source, shard_jobs in jobs]
         finally:
             written.set()
-            sources.clear()  # host copies of device arrays go now
+            sources.clear()
 
         def verify(item) -> None:
             dtype, shard = item

@@ -49,6 +49,7 @@ from megatrain_jax.stream.programs import Templates, build_programs
 from megatrain_jax.stream.schedule import Schedule
 from megatrain_jax.stream.speculation import MODES, StepUpdate, policy
 from megatrain_jax.stream.trace import Tracer
+from megatrain_jax.stream.updates import wait_for_checkpoint
 
 
 class StreamState:
@@ -250,10 +251,7 @@ class StreamEngine:
             new_state = self._host_update(state, grads, skipped, scale, skip, update, tracer)
             new_state.last_grad_norm = math.inf if skipped else math.sqrt(float(sq))
         else:
-            if before_write is not None:
-                waiting = time.perf_counter()
-                before_write()
-                tracer.waited("checkpoint", waiting)
+            wait_for_checkpoint(before_write, tracer)
             new_state = self._device_update(state, grads, skip, scale, tracer, timings)
         timings.update({f"wait_{what}_s": s for what, s in tracer.waits.items()})
         metrics.update({f"time_{name}": s for name, s in timings.items()})
@@ -310,6 +308,9 @@ class StreamEngine:
                 update.settle(names[k], p, g, s, skipped, host_scale)
         update.close()
         if not skipped:
+            if self.placement.resident_layers or self.placement.resident_embeddings:
+                # A save may still be reading the state these updates donate.
+                wait_for_checkpoint(update.before_write, tracer)
             params, opt_state = self._resident_updates(params, grads, opt_state, scale, skip,
                                                        tracer)
         new_state = StreamState(params, opt_state, state.step + 1, update)
@@ -344,3 +345,4 @@ class StreamEngine:
         timings["update_s"] = time.perf_counter() - updating
         tracer.phase_end("update", lambda: params)
         return StreamState(params, opt_state, state.step + 1)
+

@@ -102,6 +102,7 @@ class StepUpdate:
         self._wrong_from = math.inf  # the first part whose guess is known wrong, by index
         self._lock = threading.Lock()
         self._stopped = False  # by settle: the guesses not yet taken are too late
+        self.before_write = before_write  # the resident parts' update waits on it too
         if before_write is not None:  # a checkpoint reading the state finishes first
             self.queue.submit("checkpoint", before_write)
 

@@ -173,3 +173,12 @@ class UpdateQueue:
                 self._outstanding -= 1
                 if self._outstanding == 0:
                     self._all_done.set()
+
+
+def wait_for_checkpoint(before_write: Callable[[], None] | None, tracer: Tracer) -> None:
+    """Waits, timed in the trace, until a checkpoint under way has read the state's buffers
+    (before_write): the update about to run writes or donates them."""
+    if before_write is not None:
+        waiting = time.perf_counter()
+        before_write()
+        tracer.waited("checkpoint", waiting)

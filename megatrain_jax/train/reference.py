@@ -60,9 +60,10 @@ class ReferenceTrainer:
 
     def train_step(self, state: TrainState, batch: dict, *, tracer=None,
                    before_write=None) -> tuple[TrainState, dict]:
-        """One step, jitted, the state donated. `tracer` and `before_write` are accepted for
-        the trainers' common protocol: a checkpoint holds host copies of device arrays, so
-        donating them cannot disturb it."""
+        """One step, jitted, the state donated once a checkpoint under way has read it
+        (`before_write`). `tracer` is accepted for the trainers' common protocol."""
+        if before_write is not None:
+            before_write()
         return self._train_step_jit(state, batch)
 
     def abstract_state(self) -> dict:

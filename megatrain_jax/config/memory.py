@@ -192,21 +192,6 @@ def host_state_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict
     }
 
 
-# Arrays a checkpoint's save writes at once (io/checkpoint.py's threads, fewer on fewer cores).
-SAVE_THREADS = 4
-
-
-def checkpoint_copy_bytes(cfg: Config, plan: PlacementPlan):
-    """Host bytes a checkpoint's save holds at once of the state in GPU memory under `plan`:
-    each of its SAVE_THREADS copies one array to the host, writes it and lets it go
-    (io/array_files.DeviceRead), so at most that many of the largest resident arrays, fp32:
-    the embedding or the head where they are resident, else a layer's widest matrix."""
-    m = cfg.model
-    widest = np.where(plan.resident_layers > 0, 4 * m.hidden * max(m.ffn, m.hidden), 0)
-    largest = np.maximum(widest, plan.resident_embeddings * 4 * m.vocab_size * m.hidden)
-    return int(SAVE_THREADS * largest) if np.ndim(largest) == 0 else whole(SAVE_THREADS * largest)
-
-
 def resident_embedding_bytes(cfg: Config, devices: int = 1) -> int:
     """GPU bytes of the embedding and the head living there (`stream.resident_embeddings`):
     weights, optimizer state and the step's gradients, each GPU its 1/n."""

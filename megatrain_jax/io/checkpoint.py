@@ -47,7 +47,6 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrain_jax.config.memory import SAVE_THREADS
 from megatrain_jax.io import manifests, saving, shards
 from megatrain_jax.io.array_files import Damaged
 from megatrain_jax.io.checksum import Checksum
@@ -57,7 +56,7 @@ from megatrain_jax.io.saving import Writer
 
 __all__ = ["Checkpointer", "CheckpointError", "complete_steps", "foreign_steps", "free_bytes",
            "room_needed", "size", "tree_bytes"]
-THREADS = min(SAVE_THREADS, os.cpu_count() or 1)  # arrays written, verified or restored at once
+THREADS = min(4, os.cpu_count() or 1)  # arrays written, verified or restored at once
 
 
 def foreign_steps(directory: str | Path) -> list[int]:

@@ -127,7 +127,7 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
         del overhead["replicas"]
     host.update(overhead)
     if cfg.loop.checkpoint_every:
-        host["checkpoint_copies"] = (memory.checkpoint_copy_bytes(run, plan)
+        host["checkpoint_copies"] = (planner.checkpoint_copy_bytes(run, plan)
                                      + checkpoint.THREADS * array_files.CHUNK)
     host, device = ({k: int(v) for k, v in d.items()} for d in (host, device))
     return {"host": host, "device": device, "host_total": sum(host.values()),

@@ -26,7 +26,7 @@ from megatrain_jax.config import (
     memory,
     shipped_configs,
 )
-from megatrain_jax.config.memory import optimizer_bytes, replaced
+from megatrain_jax.config.memory import replaced, state_bytes
 from megatrain_jax.io import array_files, checkpoint
 from megatrain_jax.planning import planner, presets
 from megatrain_jax.planning.roofline import (  # no JAX
@@ -106,7 +106,7 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
                   "saved": m.layers * memory.saved_per_layer(cfg)}
         host = {}
         if cfg.loop.checkpoint_every:
-            host["checkpoint_copies"] = (int((4 + optimizer_bytes(cfg)) * params)
+            host["checkpoint_copies"] = (checkpoint_bytes(cfg)
                                          + checkpoint.THREADS * array_files.CHUNK)
         return {"host": host, "device": device, "host_total": sum(host.values()),
                 "device_total": sum(device.values()), "devices": n, "pool_state": 0,
@@ -167,7 +167,8 @@ def host_bytes_per_param(cfg: Config, gpu: int | None = None,
     """{optim.state_dtype: host bytes per parameter} of cfg's run (on GPUs of `gpu` bytes, a
     host of `host`) in each form of the optimizer state it may take (float32 only without
     compact moments), each placed anew."""
-    modes = STATE_DTYPES if cfg.optim.name in HOST_OPTIMIZERS else ("float32",)
+    modes = (STATE_DTYPES if cfg.optim.name in HOST_OPTIMIZERS else
+             ("float32", "bfloat16") if cfg.optim.name == "muon" else ("float32",))
     return {mode: estimate(replaced(cfg, "optim", state_dtype=mode), gpu, host)["host_total"]
             / cfg.model.num_params for mode in modes}
 
@@ -326,7 +327,9 @@ def set_pool_env(cfg: Config, measuring: bool = False) -> None:
 def checkpoint_bytes(cfg: Config) -> int:
     """Bytes of one checkpoint: the fp32 weights and the optimizer state (as stored) of
     every parameter."""
-    return int((4 + optimizer_bytes(cfg)) * cfg.model.num_params)
+    m = cfg.model
+    layers = m.layers * m.params_per_layer
+    return 4 * m.num_params + state_bytes(cfg, layers, m.num_params - layers)
 
 
 def checkpoint_disk(cfg: Config) -> dict:

@@ -28,7 +28,7 @@ from megatrain_jax.config import (
 )
 from megatrain_jax.config.memory import replaced, state_bytes
 from megatrain_jax.io import array_files, checkpoint
-from megatrain_jax.planning import planner, presets
+from megatrain_jax.planning import device_update, planner, presets
 from megatrain_jax.planning.roofline import (  # no JAX
     Rates,
     gradient_bytes,
@@ -146,9 +146,12 @@ def host_traffic(cfg: Config) -> dict[str, float]:
 
 
 def traffic_lines(cfg: Config) -> list[str]:
-    """`plan`'s line on `host_traffic` of a resolved cfg, for runs that update on the host."""
-    if cfg.loop.trainer != "stream" or not host_update(cfg):
+    """`plan`'s line on `host_traffic` of a resolved cfg where it updates on the host, or on
+    the link bytes and FLOPs of its update on the GPU."""
+    if cfg.loop.trainer != "stream":
         return []
+    if not host_update(cfg):
+        return device_update.update_lines(cfg, host_params(cfg), planned_devices(cfg))
     moved = host_traffic(cfg)
     held = host_params(cfg)
     parts, total = ", ".join(f"{name} {n:.1f}" for name, n in moved.items()), sum(moved.values())

@@ -252,3 +252,37 @@ def test_a_flax_model_with_optax_muon_trains_like_jax_grad():
     assert any(n > CLIP for n in norms) and any(n < CLIP for n in norms), norms
     np.testing.assert_allclose(history, expected, rtol=1e-5)
     assert max_rel_error(step.user_params(state), p) <= 1e-5
+
+
+# ----- what plan counts -----------------------------------------------------------------
+
+
+def test_plan_counts_half_adamws_host_state_at_7b():
+    from megatrain_jax.config import load_config, memory
+
+    def state_per_param(*overrides):
+        cfg = load_config("7b", list(overrides))
+        host = memory.host_state_bytes(cfg, memory.PlacementPlan())  # everything streamed
+        return (host["master_weights"] + host["optimizer_state"] + host["gradients"]) \
+            / cfg.model.num_params
+
+    assert state_per_param("optim.name=muon") <= 10.5
+    assert state_per_param("optim.name=muon", "optim.state_dtype=bfloat16") <= 8.5
+    assert state_per_param() >= 14.0  # AdamW's
+
+
+def test_newton_schulz_flops_are_the_compiled_iterations():
+    """device_update's count of a layer's Newton–Schulz FLOPs against XLA's own count of
+    optax's Muon update of the same matrices (its elementwise work: about 1% more at these
+    sizes, less at a real model's)."""
+    from megatrain_jax.planning import device_update
+
+    cfg = tiny("optim.name=muon", "model.layers=1", "model.hidden=256", "model.ffn=512")
+    muon = optax.contrib.scale_by_muon(ns_steps=cfg.optim.muon.ns_steps)
+    counted = 0.0
+    for rows, cols in device_update.layer_matrices(cfg):
+        x = jnp.ones((rows, cols))
+        update = jax.jit(lambda g: muon.update(g, muon.init(g))[0])
+        cost = update.lower(x).compile().cost_analysis()
+        counted += (cost[0] if isinstance(cost, list) else cost)["flops"]
+    assert device_update.newton_schulz_flops(cfg) == pytest.approx(counted, rel=0.03)

@@ -14,9 +14,9 @@ from megatrain_jax.config.load import (
     shipped_configs,
     to_dict,
 )
+from megatrain_jax.config.optimizers import HOST_OPTIMIZERS, MuonConfig, host_update
 from megatrain_jax.config.schema import (
     CHOICES,
-    HOST_OPTIMIZERS,
     MOMENT_BLOCK,
     STATE_DTYPES,
     Config,
@@ -29,15 +29,14 @@ from megatrain_jax.config.schema import (
     RopeScaling,
     ScheduleConfig,
     StreamConfig,
-    host_update,
     layer_grad_dtype,
     validate,
 )
 
 __all__ = [
     "CHOICES", "HOST_OPTIMIZERS", "MOMENT_BLOCK", "Config", "ConfigError", "DataConfig",
-    "LoopConfig", "MeshConfig", "ModelConfig", "OptimConfig", "RopeScaling", "STATE_DTYPES",
-    "ScheduleConfig", "StreamConfig",
+    "LoopConfig", "MeshConfig", "ModelConfig", "MuonConfig", "OptimConfig", "RopeScaling",
+    "STATE_DTYPES", "ScheduleConfig", "StreamConfig",
     "apply_overrides", "from_dict", "host_update", "layer_grad_dtype", "load_config",
     "load_run_config", "resolve_config_path", "save_config", "shipped_configs", "to_dict",
     "validate",

@@ -20,7 +20,8 @@ import dataclasses
 import numpy as np
 
 from megatrain_jax.config import auto
-from megatrain_jax.config.schema import MOMENT_BLOCK, Config, layer_grad_dtype, pinned
+from megatrain_jax.config.optimizer_state import optimizer_bytes, state_bytes
+from megatrain_jax.config.schema import Config, layer_grad_dtype, pinned
 
 GiB = 2**30
 SAVED_IN_FLIGHT = 2  # host-held inputs on the GPU at once in the backward: in use, and next
@@ -28,7 +29,6 @@ SAVED_IN_FLIGHT = 2  # host-held inputs on the GPU at once in the backward: in u
 # the peak measured on the H200 (7b streamed at a 24 GiB budget; benchmarks/RESULTS.md,
 # "Placement") and up to 4 GiB over where layers save their activations.
 HEADROOM = 3 * GiB
-OPT_STATE_FLOATS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +77,6 @@ def plan_of(cfg: Config) -> PlacementPlan:
     return PlacementPlan(counts["resident_layers"], s.resident_embeddings == "on", saving,
                          counts["keep_attention"], counts["keep_weights"],
                          int(s.saved_inputs) if host is None else host)
-
-
-def optimizer_bytes(cfg: Config) -> float:
-    """Bytes of optimizer state per parameter: fp32 moments, or Adam's in
-    optim.state_dtype (optim/compact.py; vectors keep fp32, a negligible share)."""
-    if cfg.optim.state_dtype == "bfloat16":
-        return 4.0
-    if cfg.optim.state_dtype == "int8":
-        return 2 * (1 + 4 / MOMENT_BLOCK)  # a byte per value, an fp32 scale per block
-    return 4.0 * OPT_STATE_FLOATS[cfg.optim.name]
 
 
 def device_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict:
@@ -185,7 +175,7 @@ def host_state_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict
     edges = (1 - plan.resident_embeddings) * m.embedding_params
     return {
         "master_weights": 4 * (layers + edges),
-        "optimizer_state": whole(optimizer_bytes(cfg) * (layers + edges)),
+        "optimizer_state": state_bytes(cfg, layers, edges),
         "gradients": resident_grad_bytes(cfg, devices) * layers + 4 * edges,
         "saved_inputs": np.minimum(plan.host_inputs, inputs_saved(cfg, plan))
         * saved_per_layer(cfg),
@@ -199,9 +189,9 @@ def resident_embedding_bytes(cfg: Config, devices: int = 1) -> int:
 
 
 def resident_bytes_per_param(cfg: Config) -> float:
-    """GPU bytes per parameter of a part whose state lives there: fp32 weights, the optimizer
-    state, the step's fp32 gradients."""
-    return 4 + optimizer_bytes(cfg) + 4
+    """GPU bytes per parameter of the embedding or head whose state lives there: fp32
+    weights, the optimizer state, the step's fp32 gradients."""
+    return 4 + optimizer_bytes(cfg, "edges") + 4
 
 
 def weights_per_layer(cfg: Config, devices: int = 1) -> int:

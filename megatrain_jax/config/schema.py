@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatrain_jax.config.auto import grad_dtype
+from megatrain_jax.config.optimizers import NS_COEFFS, MuonConfig, optimizer_checks
 from megatrain_jax.config.ranges import check_ranges
 
 
@@ -86,7 +87,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """The optimizer. Weight decay spares norms and biases; `clip_norm=0` turns clipping off."""
+    """The optimizer. Weight decay spares norms and biases; `clip_norm=0` turns clipping off.
+    Muon's own settings are `muon` (config/muon.py)."""
 
     name: str = "adamw"
     lr: float = 3e-4
@@ -96,9 +98,10 @@ class OptimConfig:
     weight_decay: float = 0.1
     momentum: float = 0.9
     clip_norm: float = 1.0
-    # Adam's moments as stored: float32 (8 B/param), bfloat16 (4) or int8 (8-bit codes with a
-    # scale per block of 256: about 2.03). Weights and arithmetic stay fp32 (optim/compact.py).
+    # Adam's moments (Muon's momentum) as stored: float32 (8 B/param), bfloat16 (4) or int8
+    # (8-bit codes, a scale per block of 256: about 2.03). Arithmetic stays fp32.
     state_dtype: str = "float32"
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass(frozen=True)
@@ -234,8 +237,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.rope_scaling.kind": ("none", "llama3", "linear"),
     "model.compute_dtype": ("bfloat16", "float32"),
     "model.attention": ("auto", "xla", "cudnn", "blockwise"),
-    "optim.name": ("adamw", "adam", "lion", "sgd"),
+    "optim.name": ("adamw", "adam", "lion", "sgd", "muon"),
     "optim.state_dtype": ("float32", "bfloat16", "int8"),
+    "optim.muon.ns_coeffs": NS_COEFFS,
     "schedule.kind": ("cosine", "linear", "constant"),
     "stream.saved_inputs": ("auto", "device", "pinned_host"),
     "stream.update": ("auto", "host", "device"),
@@ -261,17 +265,6 @@ def pinned(value: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-# Optimizers with an in-place host kernel (megatrain_jax.optim.host_adamw); the others update on
-# the device.
-HOST_OPTIMIZERS = ("adamw", "adam")
-
-
-def host_update(cfg: "Config") -> bool:
-    """Whether cfg's optimizer updates the host state in place on the host (stream.update host,
-    or auto with a host kernel) rather than through the GPU (stream/engine.py)."""
-    return cfg.stream.update != "device" and cfg.optim.name in HOST_OPTIMIZERS
-
-
 def layer_grad_dtype(cfg: "Config", devices: int = 1) -> str:
     """The dtype cfg's layer weight gradients travel to the host in over `devices` devices:
     stream.grad_dtype resolved by config/auto.py's rule."""
@@ -282,7 +275,6 @@ def layer_grad_dtype(cfg: "Config", devices: int = 1) -> str:
 # share one scale in int8.
 STATE_DTYPES = CHOICES["optim.state_dtype"]
 MOMENT_BLOCK = 256
-
 
 
 def layers_fetched_twice(cfg: Config) -> int:
@@ -326,16 +318,7 @@ def validate(cfg: Config) -> Config:
         ((pinned(s.keep_attention) or 0) <= m.layers - (pinned(s.keep_layers) or 0),
          f"stream.keep_attention ({s.keep_attention}) exceeds the layers that do not save "
          f"their activations (model.layers less stream.keep_layers); `on` keeps every one"),
-        (s.update != "host" or cfg.optim.name in HOST_OPTIMIZERS,
-         f"stream.update=host has kernels for optim.name {' and '.join(HOST_OPTIMIZERS)}, not "
-         f"'{cfg.optim.name}'; use stream.update=device (any Optax transformation) or auto"),
-        (cfg.optim.state_dtype == "float32" or cfg.optim.name in ("adamw", "adam"),
-         f"optim.state_dtype={cfg.optim.state_dtype} stores Adam's two moments: it applies to "
-         f"optim.name adamw or adam, not '{cfg.optim.name}'"),
-        (cfg.optim.state_dtype == "float32" or s.speculate != "on",
-         f"stream.speculate=on undoes wrong guesses exactly, which {cfg.optim.state_dtype} "
-         "moments (rounded when stored) do not allow: use stream.speculate=off or auto, or "
-         "optim.state_dtype=float32"),
+        *optimizer_checks(cfg),
         (cfg.loop.run_dir.strip() != "", "loop.run_dir must name a folder"),
         (m.rope_scaling.kind != "llama3" or
          m.rope_scaling.high_freq_factor > m.rope_scaling.low_freq_factor,

@@ -12,9 +12,10 @@ from megatrain_jax.optim.chain import (
     clip_scale,
     decay_mask,
     learning_rate,
+    muon_dimensions,
     sum_of_squares,
 )
 from megatrain_jax.optim.host_adamw import HostAdamW
 
 __all__ = ["HostAdamW", "apply_update", "build_optimizer", "build_stream_optimizer",
-           "clip_scale", "decay_mask", "learning_rate", "sum_of_squares"]
+           "clip_scale", "decay_mask", "learning_rate", "muon_dimensions", "sum_of_squares"]

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatrain_jax.config import Config
+from megatrain_jax.config import Config, host_update
+from megatrain_jax.planning.device_update import device_update_gparams
 from megatrain_jax.planning.roofline import HOST_UPDATE_BYTES, Rates
 
 
@@ -27,7 +28,7 @@ class Machine:
     h2d_gbps: float
     d2h_gbps: float
     host_memory_gbps: float
-    optimizer_gparams: float  # the host AdamW alone, fp32 moments
+    optimizer_gparams: float  # the host AdamW alone, fp32 moments (device_update.py: others)
     update_loss_h2d: float
     update_loss_d2h: float
     device_memory_gbps: float
@@ -55,8 +56,9 @@ class Machine:
             h2d_gbps=self.h2d_gbps * devices, d2h_gbps=self.d2h_gbps * devices,
             layer_forward_s=forward, layer_backward_s=forward * self.backward_ratio,
             head_s=head_flops(cfg) / (self.head_tflops * 1e12 * devices),
-            optimizer_gparams=self.optimizer_gparams,
-            overlapped_update=cfg.stream.update != "device",
+            optimizer_gparams=self.optimizer_gparams if host_update(cfg) else
+            device_update_gparams(cfg, self.h2d_gbps, self.d2h_gbps, self.layer_tflops, devices),
+            overlapped_update=host_update(cfg),
             host_memory_gbps=self.host_memory_gbps, update_loss_h2d=self.update_loss_h2d,
             update_loss_d2h=self.update_loss_d2h,
             device_memory_gbps=self.device_memory_gbps * devices)  # each GPU its shard

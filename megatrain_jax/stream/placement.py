@@ -22,7 +22,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from megatrain_jax.stream.mesh import MICRO_ROWS, state_spec
 
@@ -107,6 +107,14 @@ class Placement:
         if self.mesh is None:
             return tree
         return jax.lax.with_sharding_constraint(tree, self.shardings(tree, DEVICE_KIND))
+
+    def gathered(self, tree):
+        """Inside a program: a state tree whole on every device of the mesh (each gathers the
+        others' shards), so that what follows computes on whole leaves as on one device."""
+        if self.mesh is None:
+            return tree
+        whole = NamedSharding(self.mesh, PartitionSpec(), memory_kind=DEVICE_KIND)
+        return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: whole, tree))
 
     def batch_sharding(self) -> Sharding:
         """Where a micro-batched array [M, rows, ...] of the batch lives: its rows split."""

@@ -117,8 +117,9 @@ def build_programs(templates: Templates, optimizer: optax.GradientTransformation
         layer_saving=jit(saving),
         layer_backward_saved=jit(backward_saved, donate_argnums=1),
         embed_backward=jit(_embed_backward(templates, placement, clip_norm)),
-        update_host=placement.host_jit(_update(optimizer), donate_argnums=(0, 2)),
-        update_device=placement.device_jit(_update(optimizer), donate_argnums=(0, 2)),
+        update_host=placement.host_jit(_update(optimizer, placement), donate_argnums=(0, 2)),
+        update_device=placement.device_jit(_update(optimizer, placement),
+                                           donate_argnums=(0, 2)),
         layer_index=templates.layer_index,
     )
 
@@ -262,8 +263,12 @@ def _embed_backward(t: Templates, placement: Placement, clip_norm: float) -> Cal
     return embed_backward
 
 
-def _update(optimizer: optax.GradientTransformation) -> Callable:
+def _update(optimizer: optax.GradientTransformation, placement: Placement) -> Callable:
     def update(params, grads, opt_state, scale, skip):
+        # Over a mesh every device gathers the part's leaves and computes its update whole:
+        # a transformation that is not elementwise (Muon's Newton–Schulz takes a whole
+        # matrix) is then the same arithmetic as on one device. Results go home split.
+        params, grads, opt_state = placement.gathered((params, grads, opt_state))
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         return optim.apply_update(optimizer, params, grads, opt_state, scale, skip)
 

@@ -26,9 +26,9 @@ from megatrain_jax.config import (
     memory,
     shipped_configs,
 )
-from megatrain_jax.config.memory import optimizer_bytes, replaced
+from megatrain_jax.config.memory import replaced, state_bytes
 from megatrain_jax.io import array_files, checkpoint
-from megatrain_jax.planning import planner, presets
+from megatrain_jax.planning import device_update, planner, presets
 from megatrain_jax.planning.roofline import (  # no JAX
     Rates,
     gradient_bytes,
@@ -106,7 +106,8 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
                   "saved": m.layers * memory.saved_per_layer(cfg)}
         host = {}
         if cfg.loop.checkpoint_every:
-            host["checkpoint_copies"] = (int((4 + optimizer_bytes(cfg)) * params)
+            whole_model = memory.PlacementPlan(m.layers, True)  # every array on the GPU
+            host["checkpoint_copies"] = (planner.checkpoint_copy_bytes(cfg, whole_model)
                                          + checkpoint.THREADS * array_files.CHUNK)
         return {"host": host, "device": device, "host_total": sum(host.values()),
                 "device_total": sum(device.values()), "devices": n, "pool_state": 0,
@@ -146,9 +147,12 @@ def host_traffic(cfg: Config) -> dict[str, float]:
 
 
 def traffic_lines(cfg: Config) -> list[str]:
-    """`plan`'s line on `host_traffic` of a resolved cfg, for runs that update on the host."""
-    if cfg.loop.trainer != "stream" or not host_update(cfg):
+    """`plan`'s line on `host_traffic` of a resolved cfg where it updates on the host, or on
+    the link bytes and FLOPs of its update on the GPU."""
+    if cfg.loop.trainer != "stream":
         return []
+    if not host_update(cfg):
+        return device_update.update_lines(cfg, host_params(cfg), planned_devices(cfg))
     moved = host_traffic(cfg)
     held = host_params(cfg)
     parts, total = ", ".join(f"{name} {n:.1f}" for name, n in moved.items()), sum(moved.values())
@@ -167,7 +171,8 @@ def host_bytes_per_param(cfg: Config, gpu: int | None = None,
     """{optim.state_dtype: host bytes per parameter} of cfg's run (on GPUs of `gpu` bytes, a
     host of `host`) in each form of the optimizer state it may take (float32 only without
     compact moments), each placed anew."""
-    modes = STATE_DTYPES if cfg.optim.name in HOST_OPTIMIZERS else ("float32",)
+    modes = (STATE_DTYPES if cfg.optim.name in HOST_OPTIMIZERS else
+             ("float32", "bfloat16") if cfg.optim.name == "muon" else ("float32",))
     return {mode: estimate(replaced(cfg, "optim", state_dtype=mode), gpu, host)["host_total"]
             / cfg.model.num_params for mode in modes}
 
@@ -326,7 +331,9 @@ def set_pool_env(cfg: Config, measuring: bool = False) -> None:
 def checkpoint_bytes(cfg: Config) -> int:
     """Bytes of one checkpoint: the fp32 weights and the optimizer state (as stored) of
     every parameter."""
-    return int((4 + optimizer_bytes(cfg)) * cfg.model.num_params)
+    m = cfg.model
+    layers = m.layers * m.params_per_layer
+    return 4 * m.num_params + state_bytes(cfg, layers, m.num_params - layers)
 
 
 def checkpoint_disk(cfg: Config) -> dict:

@@ -1,0 +1,288 @@
+"""Muon (optim.name=muon: optax.contrib.muon) streamed, against optax.contrib.muon applied by
+plain jax.grad to the whole model (the reference trainer), fp32 on the CPU.
+
+Newton–Schulz raises a matrix's small singular directions by up to about 3.4445 a step (its
+slope at zero), so the rounding in which the two trainers' gradients differ (the reference
+sums them in another order) reaches the weights larger than under AdamW: at optim.lr=0.005
+the 20 steps end within 7e-6 of the reference's on one device and on four. The update itself
+adds nothing: given the same gradients the engine's update is the reference's, bit for bit.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+from itertools import islice
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import max_rel_error, side_by_side, tiny
+from flax import nnx
+
+from megatrain_jax import model, optim, streaming
+from megatrain_jax.config import ConfigError
+from megatrain_jax.config.optimizer_state import muon_bytes
+from megatrain_jax.io.data import TokenSource
+from megatrain_jax.stream.placement import parts
+from megatrain_jax.train import train
+
+MUON = ["optim.name=muon", "optim.lr=0.005", "optim.clip_norm=2.0", "model.layers=2",
+        "schedule.warmup_steps=3", "loop.steps=20"]
+STEPS = 20
+RUNS = Path(__file__).resolve().parent / "muon_runs.py"
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _bits_equal(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.fixture(scope="module")
+def mesh_run(tmp_path_factory):
+    """The 4-device run, started first: it runs in its own process beside this one's."""
+    out = tmp_path_factory.mktemp("muon_mesh") / "out.json"
+    env = {**os.environ, "PYTHONPATH": f"{RUNS.parent.parent}{os.pathsep}"
+           f"{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("XLA_FLAGS", None)
+    process = subprocess.Popen([sys.executable, str(RUNS), "4", str(out)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield lambda: (process.communicate(timeout=600), out)
+
+
+@pytest.fixture(scope="module")
+def run(mesh_run):
+    """Twenty steps, the first layer resident on the device and the others streamed, beside
+    the reference; then one more step whose gradients are known to both."""
+    cfg = tiny(*MUON, "stream.resident_layers=1")
+    ref_state, state, stream, records = side_by_side(cfg, STEPS)
+    return {"cfg": cfg, "ref": ref_state, "state": state, "stream": stream,
+            "records": records, "mesh": mesh_run}
+
+
+def test_twenty_clipped_steps_match_the_whole_model_reference(run):
+    records, cfg = run["records"], run["cfg"]
+    norms = [r["grad_norm"] for r in records]
+    assert any(n > cfg.optim.clip_norm for n in norms), norms  # clipping acts on some steps
+    assert any(n < cfg.optim.clip_norm for n in norms), norms  # and not on others
+    np.testing.assert_allclose([r["loss"] for r in records], [r["ref_loss"] for r in records],
+                               rtol=1e-5)
+    assert max_rel_error(run["state"].params, run["ref"].params) <= 1e-5
+    assert run["stream"].engine.placement.is_resident(1)  # layer 0 on the device
+    assert not run["stream"].engine.placement.is_resident(2)  # layer 1 streamed
+    start = model.init(cfg.model, jax.random.key(0))  # side_by_side's start
+    assert max_rel_error(run["state"].params, start) > 0.1  # moved far beyond the tolerance
+
+
+def test_muon_orthogonalizes_the_layer_matrices_and_keeps_adamw_for_the_rest(run):
+    """The state the engine keeps is Muon's: one momentum for each layer matrix, AdamW's two
+    moments for the embedding, head, norms and biases, as config/optimizer_state.py counts."""
+    state, cfg = run["state"], run["cfg"]
+    for part, params, kind in ((state.opt_state["layers"][1], state.params["layers"][1],
+                                "layers"),
+                               (state.opt_state["embed"], state.params["embed"], "edges")):
+        count = sum(leaf.size for leaf in jax.tree.leaves(params))
+        held = sum(leaf.nbytes for leaf in jax.tree.leaves(part) if leaf.ndim)
+        coefficients = 3 * 4  # Newton–Schulz's, kept in the state of every part
+        assert held - coefficients == pytest.approx(muon_bytes(cfg, kind) * count, abs=1)
+    dims = optim.muon_dimensions(state.params)
+    assert dims["embed"].table is None and dims["head"].out is None
+    assert dims["layers"][0].wq is not None and dims["layers"][0].attn_norm is None
+
+
+def test_the_update_is_the_references_bit_for_bit_given_the_same_gradients(run):
+    """The engine's update of each part (on the device for the resident layer, streamed for
+    the others) is optax's of that part, bit for bit; and optax's of the whole model is its
+    update of each part, bit for bit: each matrix is its own Newton–Schulz problem."""
+    stream, state, cfg = run["stream"], run["state"], run["cfg"]
+    batch = TokenSource(cfg).batch_at(STEPS)
+    before = _host({"params": state.params, "opt_state": state.opt_state})
+    _, grads, _, skip, scale = stream.engine.forward_backward(state.params, batch)
+    grads, scale, skip = _host(grads), np.asarray(scale), np.asarray(skip)
+    state, _ = stream.train_step(state, batch)
+    opt = optim.build_optimizer(cfg)
+    step = jax.jit(partial(optim.apply_update, opt))
+    update = lambda p, g, s: step(p, g, s, scale, skip)  # noqa: E731
+    for k, (p, g, s) in enumerate(zip(*(parts(before[name]) if name else parts(grads)
+                                        for name in ("params", None, "opt_state")))):
+        expected = update(p, g, s)
+        assert _bits_equal(parts(state.params)[k], expected[0]), k
+        assert _bits_equal(parts(state.opt_state)[k], expected[1]), k
+    whole_params = before["params"]
+    whole = update(whole_params, grads, opt.init(whole_params))[0]
+    by_part = [update(p, g, opt.init(p))[0] for p, g in zip(parts(whole_params), parts(grads))]
+    assert _bits_equal(parts(whole), by_part)
+    run["state"] = state
+
+
+def test_a_nan_gradient_skips_the_step_and_writes_nothing(run):
+    stream, state = run["stream"], run["state"]
+    batch = TokenSource(run["cfg"]).batch_at(STEPS + 1)
+    batch["mask"][0, 0] = float("nan")  # the loss, so every gradient, is NaN
+    before = _host({"params": state.params, "opt_state": state.opt_state})
+    state, metrics = stream.train_step(state, batch)
+    assert bool(metrics["skipped"])
+    after = _host({"params": state.params, "opt_state": state.opt_state})
+    assert _bits_equal(after, before)
+    assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(after)
+               if np.issubdtype(leaf.dtype, np.floating))
+    run["state"] = state
+
+
+def test_four_devices_match_the_one_device_reference(run):
+    (output, _), out = run["mesh"]()
+    assert out.exists(), output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["devices"] == 4
+    r = result["resident"]
+    assert r["mesh"] == 4 and r["split"] > 0  # the state split over the devices
+    assert any(n > 2.0 for n in r["norms"]) and any(n < 2.0 for n in r["norms"])
+    np.testing.assert_allclose(r["losses"], r["ref_losses"], rtol=1e-5)
+    assert r["params_rel"] <= 1e-5, r["params_rel"]
+
+
+def _loop_cfg(run_dir, *more):
+    return tiny(*MUON, "stream.resident_layers=1", "loop.log_every=1",
+                "loop.progress=none", "loop.tensorboard=off", "loop.timeline_step=-1",
+                "schedule.decay_steps=6", f"loop.run_dir={run_dir}", *more)
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    straight = train(_loop_cfg(tmp_path / "a", "loop.steps=6"))
+    train(_loop_cfg(tmp_path / "b", "loop.steps=3", "loop.checkpoint_every=3"))
+    resumed = train(_loop_cfg(tmp_path / "b", "loop.steps=6", "loop.checkpoint_every=3"))
+    assert resumed["state"].step == 6
+    assert _bits_equal(straight["state"].params, resumed["state"].params)
+    assert _bits_equal(straight["state"].opt_state, resumed["state"].opt_state)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.state_dtype=int8"], r"optim.state_dtype=int8 is a form of Adam's moments; Muon "
+                                 r"stores its momentum in float32 or bfloat16"),
+    (["stream.update=host"], r"stream.update=host has kernels for optim.name adamw and adam, "
+                             r"not 'muon'; use stream.update=device"),
+    (["stream.speculate=on"], r"Muon updates on the GPU after the backward.*stream.speculate="
+                              r"auto or off"),
+    (["optim.muon.ns_coeffs=dion", "optim.muon.ns_steps=3"],
+     r"optim.muon.ns_coeffs=dion is 5 steps.*optim.muon.ns_steps=5 \(got 3\)"),
+    (["optim.muon.beta=1.0"], r"optim.muon.beta \(1.0\) must be within \[0, 1\)"),
+])
+def test_settings_muon_cannot_run_are_refused_with_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny("optim.name=muon", *overrides)
+
+
+# ----- Flax: optax.contrib.muon passed to the streaming step ---------------------------
+
+VOCAB, DIM, SEQ, CLIP = 64, 16, 8, 0.63
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(DIM, DIM, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(x))
+
+
+class ListModel(nnx.Module):
+    def __init__(self, rngs):
+        self.wte = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+        self.head = nnx.Linear(DIM, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.wte(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _summed_loss(logits, batch):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.sum(ce * batch["mask"])
+
+
+def _batches(seed=0, rows=4):
+    rng = np.random.default_rng(seed)
+    while True:
+        tokens = rng.integers(0, VOCAB, (rows, SEQ + 1))
+        yield {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+               "mask": np.ones((rows, SEQ), np.float32)}
+
+
+def test_a_flax_model_with_optax_muon_trains_like_jax_grad():
+    """optax.contrib.muon as a Flax user writes it (every 2-D leaf orthogonalized, the rest
+    AdamW) through from_nnx_model, against jax.grad with the clip in the chain."""
+    model, batches = ListModel(nnx.Rngs(0)), list(islice(_batches(), STEPS))
+    muon = optax.contrib.muon(0.01)
+    graphdef, params = nnx.split(model, nnx.Param)
+    step = streaming.from_nnx_model(model, _summed_loss, muon, embed="wte", clip_norm=CLIP)
+    state, history = step.init_state(), []
+    for batch in batches:
+        state, metrics = step.train_step(state, batch)
+        history.append([float(metrics["loss"]), float(metrics["grad_norm"])])
+
+    def loss_of(p, batch):
+        logits = nnx.merge(graphdef, p)(batch["inputs"])
+        return _summed_loss(logits, batch) / jnp.sum(batch["mask"])
+
+    chain = optax.chain(optax.clip_by_global_norm(CLIP), muon)
+
+    @jax.jit
+    def reference(p, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_of)(p, batch)
+        updates, opt_state = chain.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, loss, optax.global_norm(grads)
+
+    p, opt_state, expected = nnx.to_pure_dict(params), None, []
+    opt_state = chain.init(p)
+    for batch in batches:
+        p, opt_state, loss, norm = reference(p, opt_state, batch)
+        expected.append([float(loss), float(norm)])
+    norms = [n for _, n in expected]
+    assert any(n > CLIP for n in norms) and any(n < CLIP for n in norms), norms
+    np.testing.assert_allclose(history, expected, rtol=1e-5)
+    assert max_rel_error(step.user_params(state), p) <= 1e-5
+
+
+# ----- what plan counts -----------------------------------------------------------------
+
+
+def test_plan_counts_half_adamws_host_state_at_7b():
+    from megatrain_jax.config import load_config, memory
+
+    def state_per_param(*overrides):
+        cfg = load_config("7b", list(overrides))
+        host = memory.host_state_bytes(cfg, memory.PlacementPlan())  # everything streamed
+        return (host["master_weights"] + host["optimizer_state"] + host["gradients"]) \
+            / cfg.model.num_params
+
+    assert state_per_param("optim.name=muon") <= 10.5
+    assert state_per_param("optim.name=muon", "optim.state_dtype=bfloat16") <= 8.5
+    assert state_per_param() >= 14.0  # AdamW's
+
+
+def test_newton_schulz_flops_are_the_compiled_iterations():
+    """device_update's count of a layer's Newton–Schulz FLOPs against XLA's own count of
+    optax's Muon update of the same matrices (its elementwise work: about 1% more at these
+    sizes, less at a real model's)."""
+    from megatrain_jax.planning import device_update
+
+    cfg = tiny("optim.name=muon", "model.layers=1", "model.hidden=256", "model.ffn=512")
+    muon = optax.contrib.scale_by_muon(ns_steps=cfg.optim.muon.ns_steps)
+    counted = 0.0
+    for rows, cols in device_update.layer_matrices(cfg):
+        x = jnp.ones((rows, cols))
+        update = jax.jit(lambda g: muon.update(g, muon.init(g))[0])
+        cost = update.lower(x).compile().cost_analysis()
+        counted += (cost[0] if isinstance(cost, list) else cost)["flops"]
+    assert device_update.newton_schulz_flops(cfg) == pytest.approx(counted, rel=0.03)

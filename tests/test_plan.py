@@ -1,8 +1,10 @@
 """The memory planner and the roofline's compute-bound point."""
 
+import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import time
 
@@ -411,6 +413,24 @@ def test_measured_host_memory_is_at_least_what_the_update_moved(small_samples):
     assert rates.overlapped_update
     assert rates.host_memory_gbps >= rates.optimizer_gparams * roofline.HOST_UPDATE_BYTES > 0
     assert 0 <= rates.update_loss_h2d < 1 and 0 <= rates.update_loss_d2h < 1
+
+
+def test_plan_measure_sizes_the_pinned_pool_for_the_layers_it_streams(monkeypatch):
+    """`plan --measure` streams two of the model's layers whatever the planner keeps on the
+    GPU: the pool it sets before JAX starts holds their state and the measurement's copies
+    (7b on the H200 places every layer on the GPU, which leaves the run's pool small)."""
+    from megatrain_jax.tools import plan_report
+
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    monkeypatch.setattr(plan, "host_memory_available", lambda: 125 * GiB)
+    monkeypatch.setattr(plan, "gpu_memory_bytes", lambda: 139 * GiB)
+    monkeypatch.setattr(measure, "measure_rates", lambda cfg: RATES_7B)
+    args = argparse.Namespace(rates=None, measure=True)
+    assert plan_report._plan_rates(args, load_config("7b"))[0] is RATES_7B
+    small = measure.measured_config(load_config("7b"))
+    held = plan.pinned_bytes(small) + plan.measurement_bytes(small)
+    assert memory.plan_of(small).resident_layers == 0
+    assert int(os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]) * GiB >= held
 
 
 def test_bf16_layer_gradients_halve_their_host_bytes_and_traffic():

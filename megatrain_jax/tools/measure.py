@@ -142,17 +142,25 @@ def measure_rates(cfg) -> Rates:
     layers); the bound counts cfg's own."""
     import jax
 
-    from megatrain_jax.config.memory import PlacementPlan
     from megatrain_jax.io.data import TokenSource
-    from megatrain_jax.planning.planner import pinned_config
     from megatrain_jax.train.trainers import StreamTrainer
 
-    small = pinned_config(dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, layers=min(cfg.model.layers, 2), hf_path=""),
-        data=dataclasses.replace(cfg.data, source="random"),
-        loop=dataclasses.replace(cfg.loop, trainer="stream")), PlacementPlan())
+    small = measured_config(cfg)
     trainer = StreamTrainer(small)
     state = trainer.init(jax.random.key(0))
     rates = Rates.from_result(measure(small, trainer.engine, state,
                                       TokenSource(small).batch_at(0)))
     return rates
+
+
+def measured_config(cfg):
+    """What `measure_rates` trains to measure `cfg`'s rates: two of its layers, every part
+    streamed (the link and the host update are what it times), random tokens. The pinned
+    pool is sized for it (`plan --measure`) before JAX starts."""
+    from megatrain_jax.config.memory import PlacementPlan
+    from megatrain_jax.planning.planner import pinned_config
+
+    return pinned_config(dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, layers=min(cfg.model.layers, 2), hf_path=""),
+        data=dataclasses.replace(cfg.data, source="random"),
+        loop=dataclasses.replace(cfg.loop, trainer="stream")), PlacementPlan())

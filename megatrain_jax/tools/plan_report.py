@@ -201,7 +201,8 @@ def _plan_rates(args, cfg):
         machine = presets.preset_for(plan.gpu_name())
         return (machine.rates(cfg, plan.planned_devices(cfg)), None,
                 f"preset {machine.name}, {machine.source}; --measure measures them here")
-    plan.set_pool_env(cfg, measuring=True)
-    from megatrain_jax.tools.measure import measure_rates  # starts JAX
+    from megatrain_jax.tools.measure import measure_rates, measured_config
+
+    plan.set_pool_env(measured_config(cfg), measuring=True)  # its two layers, streamed
 
     return measure_rates(cfg), None, "measured here"

@@ -286,3 +286,32 @@ def test_newton_schulz_flops_are_the_compiled_iterations():
         cost = update.lower(x).compile().cost_analysis()
         counted += (cost[0] if isinstance(cost, list) else cost)["flops"]
     assert device_update.newton_schulz_flops(cfg) == pytest.approx(counted, rel=0.03)
+
+
+def test_the_bound_counts_newton_schulz_for_every_layer_resident_or_streamed():
+    """At 7b (16 x 1024 tokens) on the H200's preset, Muon's Newton–Schulz is in the bound
+    whether the layers live on the GPU or stream: about 2 s a step in fp32, added to a step
+    that has no link traffic where everything is resident."""
+    import dataclasses
+
+    from megatrain_jax.config import load_config
+    from megatrain_jax.config.memory import PlacementPlan
+    from megatrain_jax.planning import device_update, presets, roofline
+
+    cfg = load_config("7b", ["optim.name=muon",
+                             "data.batch_size=16", "data.seq_len=1024"])
+    rates = presets.PRESETS["H200"].rates(cfg)
+    ns_s = device_update.newton_schulz_flops(cfg) / (651e12 * device_update.FP32_MATMUL_SHARE)
+    assert rates.newton_schulz_s == pytest.approx(ns_s) and 1.5 < ns_s < 3.0
+    resident = PlacementPlan(resident_layers=cfg.model.layers, resident_embeddings=True)
+    without = dataclasses.replace(rates, newton_schulz_s=0.0)
+    for placement in (resident, PlacementPlan()):
+        b = roofline.bound_of(cfg, placement, rates, 1)
+        assert b["newton_schulz_s"] == pytest.approx(ns_s)
+        assert b["step_s"] - roofline.bound_of(cfg, placement, without, 1)["step_s"] == \
+            pytest.approx(ns_s)
+    b = roofline.bound_of(cfg, resident, rates, 1)
+    assert b["optimizer_s"] == 0 and b["h2d_per_pass_s"] == 0  # nothing streamed
+    assert b["step_s"] > b["compute_forward_s"] + b["compute_backward_s"] + ns_s
+    adamw = load_config("7b", ["data.batch_size=16", "data.seq_len=1024"])
+    assert presets.PRESETS["H200"].rates(adamw).newton_schulz_s == 0

@@ -19,7 +19,7 @@ FLOPs, A A 2 m^3 and the product with X 2 m^2 n, so
     FLOPs a matrix a step = ns_steps x (4 m^2 n + 2 m^3)
 
 which at 7b (32 layers of four 4096 x 4096 projections and three 4096 x 11008) is about
-6.9e14 a step: in fp32 matmuls, seconds on an H100.
+6.9e14 a step: about 1 s on an H100 or H200 in bf16 (optim.muon.ns_dtype), 2 in fp32.
 """
 
 from __future__ import annotations
@@ -72,9 +72,11 @@ def device_update_gparams(cfg: Config, h2d_gbps: float, d2h_gbps: float,
 
 
 def newton_schulz_seconds(cfg: Config, layer_tflops: float) -> float:
-    """Seconds a step of the Newton–Schulz of every layer's matrices, at FP32_MATMUL_SHARE of
-    the layers' matmul rate `layer_tflops` (every device computes each matrix whole)."""
-    return newton_schulz_flops(cfg) / (layer_tflops * FP32_MATMUL_SHARE * 1e12)
+    """Seconds a step of the Newton–Schulz of every layer's matrices (every device computes
+    each matrix whole): at the layers' bf16 matmul rate `layer_tflops` in bfloat16
+    (optim.muon.ns_dtype), at FP32_MATMUL_SHARE of it in float32."""
+    share = FP32_MATMUL_SHARE if cfg.optim.muon.ns_dtype == "float32" else 1.0
+    return newton_schulz_flops(cfg) / (layer_tflops * share * 1e12)
 
 
 def update_lines(cfg: Config, streamed: int, devices: int = 1) -> list[str]:

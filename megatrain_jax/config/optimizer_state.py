@@ -7,7 +7,7 @@ what the memory estimates (memory.py), `plan` and the planner count.
 
 Most optimizers keep the same state for every parameter. Muon keeps one momentum for each
 layer matrix (4 bytes in fp32, 2 in bf16) and AdamW's two moments for the embedding, the
-head, norms and biases (optim/chain.py: `muon_dimensions`).
+head, norms and biases (optim/muon.py: `muon_dimensions`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ optimizer goes with the rest of a config.
 
 Muon orthogonalizes the momentum of each layer's weight matrix by Newton–Schulz iterations;
 the embedding, the head, norms and biases take AdamW with optim.b1, optim.b2 and optim.eps
-(optim/chain.py builds it).
+(optim/muon.py builds it).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ HOST_OPTIMIZERS = ("adamw", "adam")
 # optax.contrib.muon's presets of Newton–Schulz coefficients: one triple for every step, or
 # dion's five, one a step (which run exactly five steps).
 NS_COEFFS = ("standard", "dion")
+NS_DTYPES = ("bfloat16", "float32")
 DION_STEPS = 5
 
 
@@ -37,6 +38,9 @@ class MuonConfig:
     # 0: optax's width scaling, sqrt(max(1, fan_out / fan_in)); c > 0: sqrt(max(fan_in,
     # fan_out)) * c, an update of AdamW's RMS at c = 0.2 (optax's consistent_rms).
     consistent_rms: float = 0.0
+    # The Newton–Schulz's dtype (optim/muon.py): bfloat16 halves its matmul time on a GPU;
+    # float32 is optax.contrib.muon's arithmetic, bit for bit.
+    ns_dtype: str = "bfloat16"
 
 
 def host_update(cfg) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatrain_jax.config.auto import grad_dtype
-from megatrain_jax.config.optimizers import NS_COEFFS, MuonConfig, optimizer_checks
+from megatrain_jax.config.optimizers import NS_COEFFS, NS_DTYPES, MuonConfig, optimizer_checks
 from megatrain_jax.config.ranges import check_ranges
 
 
@@ -240,6 +240,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("adamw", "adam", "lion", "sgd", "muon"),
     "optim.state_dtype": ("float32", "bfloat16", "int8"),
     "optim.muon.ns_coeffs": NS_COEFFS,
+    "optim.muon.ns_dtype": NS_DTYPES,
     "schedule.kind": ("cosine", "linear", "constant"),
     "stream.saved_inputs": ("auto", "device", "pinned_host"),
     "stream.update": ("auto", "host", "device"),

@@ -4,7 +4,7 @@ Clipping is not inside the Optax chain: the engine sees a model's gradients one 
 time, so the global norm is computed first and `apply_update` takes the resulting scale.
 Both trainers call `apply_update`, the reference on the whole tree, the engine per layer;
 for elementwise transforms the two are the same arithmetic, leaf for leaf, and for Muon
-too: its Newton–Schulz orthogonalizes each layer matrix on its own (`muon_dimensions`).
+too: its Newton–Schulz orthogonalizes each layer matrix on its own (optim/muon.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from megatrain_jax import model
 from megatrain_jax.config import Config, host_update
 from megatrain_jax.optim.compact import compact_adam
+from megatrain_jax.optim.muon import muon
 
 
 def learning_rate(cfg: Config) -> optax.Schedule:
@@ -38,34 +38,6 @@ def learning_rate(cfg: Config) -> optax.Schedule:
 def decay_mask(params):
     """Weight decay applies to matrices only; norms and biases (1-D leaves) are spared."""
     return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
-def muon_dimensions(params):
-    """The leaves Muon orthogonalizes, as optax.contrib.muon's `muon_weight_dimension_numbers`:
-    each 2-D leaf of a transformer layer, a matrix [in, out] of its own; None (AdamW) for the
-    embedding, the head, norms and biases. The same leaves whether given the whole model (the
-    reference) or one part (the engine), since a layer is a LayerParams in both."""
-    def of(node):
-        if not isinstance(node, model.LayerParams):
-            return None
-        return jax.tree.map(lambda a: optax.contrib.MuonDimensionNumbers(0, 1)
-                            if a.ndim == 2 else None, node)
-
-    return jax.tree.map(of, params, is_leaf=lambda x: isinstance(x, model.LayerParams))
-
-
-def muon(cfg: Config, lr: optax.Schedule) -> optax.GradientTransformation:
-    """optax.contrib.muon with cfg's settings (config/optimizers.py): Newton–Schulz for the
-    layers' matrices, AdamW (optim.b1, b2, eps) for the rest; the momentum in
-    optim.state_dtype (float32 or bfloat16)."""
-    o, m = cfg.optim, cfg.optim.muon
-    return optax.contrib.muon(
-        lr, ns_coeffs=m.ns_coeffs, ns_steps=m.ns_steps, beta=m.beta, eps=o.eps,
-        weight_decay=o.weight_decay, nesterov=m.nesterov,
-        mu_dtype=jnp.bfloat16 if o.state_dtype == "bfloat16" else None,
-        adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=m.adam_weight_decay,
-        muon_weight_dimension_numbers=muon_dimensions,
-        consistent_rms=m.consistent_rms or None)
 
 
 def build_optimizer(cfg: Config) -> optax.GradientTransformation:

@@ -2,19 +2,24 @@
 kernel, such as Muon): the link bytes of the streamed parts and Muon's Newton–Schulz FLOPs.
 
     up, down = link_bytes(cfg)                # bytes a streamed parameter, each way
+    device_update_gparams(cfg, 53.3, 53.3)    # the link's rate of the update, a streamed param
     newton_schulz_flops(cfg)                  # FLOPs a step, every layer's matrices
-    device_update_gparams(cfg, 53.3, 53.3, 651.0)   # the update's rate a streamed parameter
+    newton_schulz_seconds(cfg, 651.0)         # their seconds a step (roofline's own term)
 
 After the backward each streamed part's weights, gradients and optimizer state go to the
 GPU, one compiled program updates them, and the weights and state come back; resident
-parts are updated where they live. Muon's matrices each run `ns_steps` iterations of
-X <- a X + (b A + c A A) X, A = X X^T, on X of m x n with m <= n (optax transposes the
-taller ones): A takes 2 m^2 n FLOPs, A A 2 m^3 and the product with X 2 m^2 n, so
+parts are updated where they live. The link carries the streamed parts only, but Muon's
+Newton–Schulz runs for every layer's matrices, resident or streamed, after the backward and
+before the next forward: the bound counts it once a step (`Rates.newton_schulz_s`).
+
+Muon's matrices each run `ns_steps` iterations of X <- a X + (b A + c A A) X,
+A = X X^T, on X of m x n with m <= n (optax transposes the taller ones): A takes 2 m^2 n
+FLOPs, A A 2 m^3 and the product with X 2 m^2 n, so
 
     FLOPs a matrix a step = ns_steps x (4 m^2 n + 2 m^3)
 
 which at 7b (32 layers of four 4096 x 4096 projections and three 4096 x 11008) is about
-6.9e14 a step: in fp32 matmuls, seconds on an H100.
+6.9e14 a step: about 1 s on an H100 or H200 in bf16 (optim.muon.ns_dtype), 2 in fp32.
 """
 
 from __future__ import annotations
@@ -59,15 +64,19 @@ def link_bytes(cfg: Config, devices: int = 1) -> tuple[float, float]:
 
 
 def device_update_gparams(cfg: Config, h2d_gbps: float, d2h_gbps: float,
-                          layer_tflops: float, devices: int = 1) -> float:
-    """G params/s of the update on the GPU of a streamed model: each parameter's link bytes
-    (both ways at once) and its share of the Newton–Schulz FLOPs (every device computes
-    each matrix whole), at FP32_MATMUL_SHARE of the layers' matmul rate."""
+                          devices: int = 1) -> float:
+    """G params/s of the update on the GPU of streamed parameters: each one's link bytes,
+    both ways at once (the Newton–Schulz is `newton_schulz_seconds`, for every layer)."""
     up, down = link_bytes(cfg, devices)
-    link_s = max(up / (h2d_gbps * 1e9), down / (d2h_gbps * 1e9))
-    ns_s = newton_schulz_flops(cfg) / cfg.model.num_params / (
-        layer_tflops * FP32_MATMUL_SHARE * 1e12)
-    return 1e-9 / (link_s + ns_s)
+    return 1e-9 / max(up / (h2d_gbps * 1e9), down / (d2h_gbps * 1e9))
+
+
+def newton_schulz_seconds(cfg: Config, layer_tflops: float) -> float:
+    """Seconds a step of the Newton–Schulz of every layer's matrices (every device computes
+    each matrix whole): at the layers' bf16 matmul rate `layer_tflops` in bfloat16
+    (optim.muon.ns_dtype), at FP32_MATMUL_SHARE of it in float32."""
+    share = FP32_MATMUL_SHARE if cfg.optim.muon.ns_dtype == "float32" else 1.0
+    return newton_schulz_flops(cfg) / (layer_tflops * share * 1e12)
 
 
 def update_lines(cfg: Config, streamed: int, devices: int = 1) -> list[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatrain_jax.config import Config, host_update
-from megatrain_jax.planning.device_update import device_update_gparams
+from megatrain_jax.planning.device_update import device_update_gparams, newton_schulz_seconds
 from megatrain_jax.planning.roofline import HOST_UPDATE_BYTES, Rates
 
 
@@ -57,8 +57,9 @@ class Machine:
             layer_forward_s=forward, layer_backward_s=forward * self.backward_ratio,
             head_s=head_flops(cfg) / (self.head_tflops * 1e12 * devices),
             optimizer_gparams=self.optimizer_gparams if host_update(cfg) else
-            device_update_gparams(cfg, self.h2d_gbps, self.d2h_gbps, self.layer_tflops, devices),
+            device_update_gparams(cfg, self.h2d_gbps, self.d2h_gbps, devices),
             overlapped_update=host_update(cfg),
+            newton_schulz_s=newton_schulz_seconds(cfg, self.layer_tflops),
             host_memory_gbps=self.host_memory_gbps, update_loss_h2d=self.update_loss_h2d,
             update_loss_d2h=self.update_loss_d2h,
             device_memory_gbps=self.device_memory_gbps * devices)  # each GPU its shard

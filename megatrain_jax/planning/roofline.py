@@ -76,6 +76,7 @@ class Rates:
     # The GPU memory's bandwidth, which the resident parts' update streams their state
     # through (RESIDENT_UPDATE_BYTES a parameter); 0: unknown, that update left out.
     device_memory_gbps: float = 0.0
+    newton_schulz_s: float = 0.0  # Muon's on the GPU a step, all layers (device_update.py)
 
     @classmethod
     def from_result(cls, result: dict) -> "Rates":
@@ -170,7 +171,7 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
                         paced + backward_step)
     else:
         step = forward_step + head + backward_step + optimizer
-    step = step + resident_update
+    step = step + resident_update + rates.newton_schulz_s
     terms = {
         "compute_forward_s": forward, "compute_head_s": head, "compute_backward_s": backward,
         "h2d_per_pass_s": weight_pass, "h2d_backward_s": h2d_back, "inputs_to_host_s": inputs_out,
@@ -179,13 +180,13 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
         "host_update_s": optimizer * (1.0 if rates.overlapped_update else 0.0),
         "host_memory_forward_s": host["forward"], "host_memory_backward_s": host["backward"],
         "update_forward_s": update_forward, "update_backward_s": update_backward,
-        "ideal_s": ideal, "step_s": step,
+        "newton_schulz_s": rates.newton_schulz_s, "ideal_s": ideal, "step_s": step,
     }
     if np.ndim(step):
         return terms
     terms = {name: float(value) for name, value in terms.items()}
-    terms["limited_by"] = _limit(forward + head, backward, h2d, gradients, optimizer,
-                                 host_total)
+    terms["limited_by"] = _limit(forward + head + rates.newton_schulz_s, backward, h2d,
+                                 gradients, optimizer, host_total)
     return terms
 
 

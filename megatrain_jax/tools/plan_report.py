@@ -81,6 +81,9 @@ def _print_placement(given, cfg, est: dict, gpu, rates, source: str, measured) -
           f"optimizer {rates.optimizer_gparams:.2f} G params/s, host memory "
           f"{rates.host_memory_gbps:.0f} GB/s, layer forward+backward "
           f"{(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms")
+    if b["newton_schulz_s"]:
+        print(f"Newton–Schulz: {b['newton_schulz_s']:.3f} s a step on the GPU after the "
+              "backward, every layer's matrices, resident or streamed (in the bound)")
     machine = plan.machine()
     print(f"step bound: {b['step_s']:.3f} s ({tokens / b['step_s']:,.0f} tokens/s) where steps "
           f"do not clip, {clipping['step_s']:.3f} s ({tokens / clipping['step_s']:,.0f} "

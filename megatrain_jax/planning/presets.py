@@ -37,11 +37,12 @@ class Machine:
     head_tflops: float  # the head's and the loss's forward and backward, and the embedding's
     # What a step takes beyond its bound (`expected_seconds`): this share of the bound, and
     # this share of the host update's seconds, hidden or not (it draws on the host's memory,
-    # the link and the Python thread the GPU waits on). Least squares over the 14 placements
-    # of benchmarks/RESULTS.md, "Placement" (7b, 3b, 14b; 16 x 1024 to 1 x 131072; budgets
-    # 24 GiB to the whole GPU): 1.045 and 0.18, within 5% for 11 of them, the worst 9.7%.
-    over_bound: float = 1.045
-    host_drag: float = 0.18
+    # the link and the Python thread the GPU waits on). Least squares over 31 runs on six H200
+    # machines (benchmarks/RESULTS.md, "Placement" and "Muon": 3b to 14b, 16 x 1024 to
+    # 1 x 131072, GPU budgets 24 GiB to the whole GPU): within 5% for 28 of them; the same
+    # host-paced placement varied by 14% between machines.
+    over_bound: float = 1.047
+    host_drag: float = 0.133
     # The rate of the causal attention's forward (cuDNN's), FLOP/s / 1e12: it paces a layer at
     # long rows (7b at 1 x 131072 on the H200: 40.6 s a step).
     attention_tflops: float = 450.0

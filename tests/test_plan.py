@@ -205,7 +205,8 @@ def small_samples(monkeypatch):
 
 def test_the_shared_bandwidth_counts_the_transfer_beside_the_kernel():
     """memory_gbps(beside=(move, nbytes)) adds the bytes of every move that ended within the
-    kernel's window: here about twenty 1 GB "moves" in 0.2 s, far above the kernel alone."""
+    kernel's window: here up to twenty 1 TB "moves" in 0.2 s, so that even one of them, on a
+    loaded machine, lifts the rate far above what the kernel alone can vary by."""
     from megatrain_jax.tools import machine
 
     alone = machine.memory_gbps(mfloats=8)
@@ -215,9 +216,9 @@ def test_the_shared_bandwidth_counts_the_transfer_beside_the_kernel():
         time.sleep(0.01)
         moves.append(1)
 
-    shared = machine.memory_gbps(mfloats=8, beside=(move, 10**9), window_s=0.2)
+    shared = machine.memory_gbps(mfloats=8, beside=(move, 10**12), window_s=0.2)
     assert moves and alone > 0
-    assert shared > alone + 20
+    assert shared > alone + 1000
 
 
 def test_plan_measure_on_this_machine(capsys, small_samples):

@@ -170,3 +170,20 @@ def test_a_save_copies_the_gpu_state_one_array_at_a_time_while_training_goes_on(
     restored, _ = ckpt.restore(1, run.abstract_state())
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_a_device_read_copies_in_slices_and_leaves_no_host_copy_on_the_array(monkeypatch):
+    """DeviceRead copies a device array through fresh slices of at most READ_BYTES: the bytes
+    are the array's, and JAX keeps no host copy on the array itself (it would live until the
+    state is donated: a second copy of the GPU's state in host memory)."""
+    import jax.numpy as jnp
+
+    from megatrain_jax.io import array_files
+
+    monkeypatch.setattr(array_files, "READ_BYTES", 3 * 5 * 4)  # three rows a slice
+    expected = [np.arange(35, dtype=np.float32).reshape(7, 5) - 17.0,
+                np.asarray(-0.0, np.float32), np.full((4,), 3, jnp.bfloat16)]
+    for want in expected:
+        x = jnp.asarray(want)
+        assert array_files.DeviceRead(x)().tobytes() == want.tobytes()
+        assert getattr(x, "_npy_value", None) is None

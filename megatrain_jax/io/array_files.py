@@ -14,6 +14,7 @@ that reading back what was written reads the disk, and neither fills host memory
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 from pathlib import Path
@@ -75,23 +76,39 @@ class DeviceRead:
     """The bytes of an array in device memory, copied to the host when called: a save calls
     it in its writer's thread, one array at a time, so that a checkpoint of the state the GPU
     holds never has all of it in host memory at once (the caller keeps the array alive and
-    unwritten until the save has read it)."""
+    unwritten until the save has read it). The copy goes through device slices of at most
+    READ_BYTES, each a new array: JAX keeps the host copy of an array it has read on the
+    array itself, which for the state would last until the next update donates it."""
 
     def __init__(self, array):
         self.array = array
 
     def __call__(self) -> np.ndarray:
         array, self.array = self.array, None
-        host = np.asarray(array)
-        nbytes = host.nbytes
-        if nbytes and host.ctypes.data == array.unsafe_buffer_pointer():  # a CPU buffer in place
-            host, view = mapped_empty(host.shape, host.dtype), host
-            host[...] = view
-        # JAX keeps the host copy on the array for later reads; this one is the save's alone,
-        # and goes once written.
-        if getattr(array, "_npy_value", None) is not None:
-            array._npy_value = None
-        return byte_view(np.ascontiguousarray(host))
+        host = mapped_empty(array.shape, array.dtype)
+        if array.size == 0:
+            return byte_view(host)
+        if array.ndim == 0:
+            host.reshape(1)[...] = np.asarray(_slicer(1)(array.reshape(1), 0))
+            return byte_view(host)
+        rows = array.shape[0]
+        step = max(1, READ_BYTES * rows // max(host.nbytes, 1))
+        for start in range(0, rows, step):
+            size = min(step, rows - start)
+            host[start:start + size] = np.asarray(_slicer(size)(array, start))
+        return byte_view(host)
+
+
+READ_BYTES = 64 * 2**20  # the device slice a DeviceRead copies at a time
+
+
+@functools.lru_cache(maxsize=None)
+def _slicer(size: int):
+    """A compiled program giving rows [start, start + size) of an array as a new array (a
+    slice, never the input forwarded), whose host copy JAX then keeps on it alone."""
+    import jax
+
+    return jax.jit(lambda a, start: jax.lax.dynamic_slice_in_dim(a, start, size))
 
 
 def readable(array) -> np.ndarray | DeviceRead:

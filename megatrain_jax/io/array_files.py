@@ -81,7 +81,7 @@ class DeviceRead:
     array itself, which for the state would last until the next update donates it."""
 
     def __init__(self, array):
-        self.array, self.nbytes = array, int(array.size) * np.dtype(array.dtype).itemsize
+        self.array = array
 
     def __call__(self) -> np.ndarray:
         array, self.array = self.array, None

@@ -28,13 +28,12 @@ step is not visible, whichever process dies.
 
 Host memory: arrays in host memory (the streaming engine's pinned state) are read straight
 from their buffers, in chunks, with no copy, while training goes on. Arrays in device memory
-(the state the GPU holds) are copied to the host when the save starts where the host has room
-for the copy beside a tenth of its memory (saving.copy_device_arrays), else one at a time, each
-by the thread that writes it, and freed once written: then a save holds a few arrays in host
-memory, never a second copy of the state, and the updates after it wait until it has read
-them. Either way the caller must not write or donate the state's arrays until
-`wait_written()` returns. (orbax-checkpoint, used before, copies the state to host arrays to
-write it and checks no data on restore: its zarr3 format checksums shard indexes only.)
+(the state the GPU holds) are copied to the host one at a time, each by the thread that
+writes it, and freed once written: a save holds at most THREADS of them in host memory, never
+a second copy of the state. Either way the caller must not write or donate the state's arrays
+until `wait_written()` returns. (orbax-checkpoint, used before, copies the state to host
+arrays to write it and checks no data on restore: its zarr3 format checksums shard indexes
+only.)
 """
 
 from __future__ import annotations
@@ -143,7 +142,6 @@ class Checkpointer:
         if self._peers is None and jax.process_count() > 1:
             self._peers = Peers.of_this_run()
         sources = saving.sources(tree, whole=self._peers is None)
-        saving.copy_device_arrays(sources)  # where the host has room: no wait for the save
         self._written = threading.Event()
         self._job = self._runner.submit(self._save, step, sources, meta, self._written)
         self._job_step = step

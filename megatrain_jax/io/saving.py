@@ -35,49 +35,6 @@ from megatrain_jax.io.processes import PeerFailed, Peers
 PAUSE_SAVE = "MEGATRAIN_JAX_TEST_PAUSE_SAVE"
 
 
-def host_memory_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes; None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-# A save copies the state the GPU holds to the host when it starts, and the next step goes on
-# at once, where the host keeps at least this share of its memory free beside the copy; else
-# each array is copied as it is written, and the next step's updates wait for the save.
-FREE_AFTER_COPY = 0.1
-
-
-class Copied(np.ndarray):
-    """Bytes a save copied out of the state when it started: writing them reads no state."""
-
-
-def copy_device_arrays(sources: list) -> bool:
-    """Copies every device array of `sources` to the host now (array_files.DeviceRead), in
-    place, where the host has room for the copies (FREE_AFTER_COPY); returns whether it did."""
-    pieces = [(data, k) for source in sources for _, _, data, _ in source["shards"]
-              for k, piece in enumerate(data) if isinstance(piece, array_files.DeviceRead)]
-    need = sum(data[k].nbytes for data, k in pieces)
-    available = host_memory_available()
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if available else 0
-    if not pieces or available is None or available - need < FREE_AFTER_COPY * total:
-        return False
-    for data, k in pieces:
-        data[k] = data[k]().view(Copied)
-    return True
-
-
-def _reads_state(shard) -> bool:
-    """Whether writing `shard` reads the state's own buffers (a host view, or a device
-    array not yet copied)."""
-    return not all(isinstance(piece, Copied) for piece in shard[2])
-
-
 def _file_name(path) -> str:
     """params.layers.3.wq: an array's path in the tree, as a file name."""
     return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
@@ -227,10 +184,8 @@ class Writer:
         try:
             jobs = [(source, [self._pool.submit(write, (source["name"], shard))
                               for shard in source["shards"]]) for source in sources]
-            wait([job for source, shard_jobs in jobs
-                  for shard, job in zip(source["shards"], shard_jobs) if _reads_state(shard)])
-            written.set()  # no job still reads the state: the caller may write it
-            wait([job for _, shard_jobs in jobs for job in shard_jobs])
+            wait([job for _, shard_jobs in jobs for job in shard_jobs])  # all of them: none
+            # may still read the state after `written`
             arrays = [{"key": source["key"], "shape": source["shape"], "dtype": source["dtype"],
                        "shards": [job.result() for job in shard_jobs]}
                       for source, shard_jobs in jobs]

@@ -28,7 +28,6 @@ from megatrain_jax.config import (
 )
 from megatrain_jax.config.memory import replaced, state_bytes
 from megatrain_jax.io import array_files, checkpoint
-from megatrain_jax.io.saving import host_memory_available
 from megatrain_jax.planning import device_update, planner, presets
 from megatrain_jax.planning.roofline import (  # no JAX
     Rates,
@@ -36,7 +35,12 @@ from megatrain_jax.planning.roofline import (  # no JAX
     host_params,
     update_bytes,
 )
-from megatrain_jax.tools.probe import gpu_memory_bytes, gpu_name, planned_devices
+from megatrain_jax.tools.probe import (
+    gpu_memory_bytes,
+    gpu_name,
+    host_memory_available,
+    planned_devices,
+)
 
 GiB = 2**30
 RUNTIME, POOL_BOOKKEEPING, POOL_MARGIN = memory.RUNTIME, memory.POOL_BOOKKEEPING, memory.POOL_MARGIN

@@ -29,6 +29,18 @@ def gpu_count() -> int:
         return 1
 
 
+def host_memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 @functools.cache
 def gpu_name() -> str | None:
     """The name of the run's first GPU (`NVIDIA H200`) from nvidia-smi; None without one."""

@@ -61,7 +61,7 @@ def side_by_side(cfg, steps: int):
                         "grad_norm": float(m["grad_norm"]), "ref_lr": float(rm["lr"]),
                         "lr": float(m["lr"]),
                         "speculated": int(m.get("speculated_parts", 0)),
-                        "rolled_back": int(m.get("rolled_back_parts", 0))})
+                        "undone": int(m.get("undone_parts", 0))})
     return ref_state, state, stream, records
 
 

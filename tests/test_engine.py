@@ -291,7 +291,7 @@ class Events(Tracer):
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_forward_nothing_paces_stays_within_depth_of_the_gpu(depth):
-    """In a first step (and after a checkpoint, or over guessed parts) no update paces the
+    """In a first step (and after a checkpoint, or over speculated parts) no update paces the
     forward: before fetching layer j it has still waited for the outputs of the layers below
     j - 2 * depth, so at most 2 * depth + 1 layers' weights are on the GPU ahead of their
     compute, whatever the depth of the model."""

@@ -147,13 +147,13 @@ class StreamConfig:
     loss_chunk: int = 1024  # tokens of the sequence per cross-entropy chunk
     host_memory_gb: float = 0.0  # each GPU's pinned pool; 0: sized from the model
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
-    # Host update during the backward on the guess that the step will not clip (undone and
-    # redone when it does): off, auto (guess when the last step did not clip), on. A guess
-    # not started by the backward's end is dropped and done after it (docs/guide.md).
+    # Speculative update: the host update during the backward, as if the step will not clip
+    # (undone and redone when it does): off, auto (when the last step did not clip), on. A
+    # part not started by the backward's end is updated after it (docs/guide.md).
     speculate: str = "auto"
     # The share of the host parameters, from the head down in the backward's order, whose
-    # update a guessing step may start during the backward; the rest are updated after it,
-    # beside the next forward. Below 1 caps the guesses: fewer to undo when a step clips.
+    # update a speculating step may start during the backward; the rest are updated after
+    # it, beside the next forward. Below 1 speculates less: less to undo when a step clips.
     speculate_share: float = 1.0
     # Layer weight gradients D2H and on the host: auto (bfloat16 where they are bf16 values:
     # bf16 compute, one micro-batch, one device; else float32), float32, or bfloat16 (also
@@ -333,9 +333,9 @@ def validate(cfg: Config) -> Config:
          f"optim.state_dtype={cfg.optim.state_dtype} stores Adam's two moments: it applies to "
          f"optim.name adamw or adam, not '{cfg.optim.name}'"),
         (cfg.optim.state_dtype == "float32" or s.speculate != "on",
-         f"stream.speculate=on undoes wrong guesses exactly, which {cfg.optim.state_dtype} "
-         "moments (rounded when stored) do not allow: use stream.speculate=off or auto, or "
-         "optim.state_dtype=float32"),
+         f"stream.speculate=on undoes a clipping step's speculative update exactly, which "
+         f"{cfg.optim.state_dtype} moments (rounded when stored) do not allow: use "
+         "stream.speculate=off or auto, or optim.state_dtype=float32"),
         (cfg.loop.run_dir.strip() != "", "loop.run_dir must name a folder"),
         (m.rope_scaling.kind != "llama3" or
          m.rope_scaling.high_freq_factor > m.rope_scaling.low_freq_factor,

@@ -150,11 +150,11 @@ def _print_budgets(given, host, total_gpu, rates, budgets: str) -> None:
             continue
         run, n = est["config"], est["devices"]
         placement, tokens = memory.plan_of(run), run.data.tokens_per_step
-        guess = roofline.bound_for(run, rates, n)["step_s"]
+        no_clip = roofline.bound_for(run, rates, n)["step_s"]
         clip = roofline.bound_of(run, placement, rates, n)["step_s"]
         print(f"  {budget:6g}  {placement.resident_layers:8d}  {placement.saving_layers:6d}  "
               f"{placement.weight_layers:7d}  {placement.host_inputs:14d}  "
-              f"{achieved * tokens / guess:>12,.0f} / {achieved * tokens / clip:<11,.0f}")
+              f"{achieved * tokens / no_clip:>12,.0f} / {achieved * tokens / clip:<11,.0f}")
 
 
 def _budget_list(text: str) -> list[float]:

@@ -309,10 +309,19 @@ def largest_fitting(cfg: Config, host: int | None, gpu: int | None):
     for name, path in shipped_configs().items():
         shape = load_config(str(path)).model
         candidate = dataclasses.replace(cfg, model=shape)  # placed anew for this shape
-        if (best is None or shape.num_params > best[1].model.num_params) and \
-                _fits(candidate, host, gpu):
+        larger = best is None or shape.num_params > best[1].model.num_params
+        if larger and not _state_overflows(candidate, host, gpu) and _fits(candidate, host, gpu):
             best = (name, candidate)
     return best
+
+
+def _state_overflows(cfg: Config, host: int | None, gpu: int | None) -> bool:
+    """Whether a streamed run's weights and optimizer state alone exceed every byte of the
+    host and the GPUs together: no placement fits, and the planner, slowest where it has
+    most layers to try, need not be asked."""
+    if cfg.loop.trainer != "stream" or host is None or gpu is None:
+        return False
+    return checkpoint_bytes(cfg) > planned_devices(cfg) * (host + gpu)
 
 
 def set_pool_env(cfg: Config, measuring: bool = False) -> None:

@@ -2,6 +2,8 @@
 persistent compilation cache for the session (the tests train the same tiny models many
 times)."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -89,14 +91,21 @@ def compilation_cache(tmp_path_factory):
     """A persistent compilation cache private to the test session: every trainer builds its
     own programs, and the many tests that train the same tiny models would compile them
     again (about 30 s for the tiny model on 2 busy cores); with the cache, later compiles
-    are loads (about 3 s). Tests that count compilations use shapes no other test uses."""
+    are loads (about 3 s). Under pytest-xdist the session's workers share one cache (the
+    folder above their own), so a program one worker compiled is a load for the other.
+    Tests that count compilations use shapes no other test uses."""
     from jax.experimental.compilation_cache import compilation_cache as cache
 
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes")
     saved = {name: getattr(jax.config, name) for name in names}
     cache.reset_cache()
-    for name, value in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0, 0)):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the session's folder, beside the workers'
+        folder = tmp_path_factory.getbasetemp().parent / "jax_cache"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("jax_cache")
+    for name, value in zip(names, (str(folder), 0, 0)):
         jax.config.update(name, value)
     yield
     for name, value in saved.items():

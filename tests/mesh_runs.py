@@ -18,7 +18,8 @@ import sys
 
 
 def _start(devices: int) -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    flags = os.environ.get("XLA_FLAGS", "")  # the test session's (conftest.py), kept
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.dirname(__file__))
 

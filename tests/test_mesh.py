@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = Path(__file__).resolve().parent / "mesh_runs.py"
 sys.path.insert(0, str(RUNS.parent))
 import mesh_runs  # noqa: E402
+from conftest import FAST_COMPILE  # noqa: E402
 
 
 def _env(**more) -> dict:
@@ -33,8 +34,7 @@ def _env(**more) -> dict:
            "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", **more}
-    if "XLA_FLAGS" not in more:
-        env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = f"{FAST_COMPILE} {more.get('XLA_FLAGS', '')}".strip()  # no device count
     return env
 
 

@@ -243,7 +243,12 @@ def check_fits(cfg: Config, host: int | None = None, gpu: int | None = None) -> 
 
 
 def _fits(cfg: Config, host: int | None, gpu: int | None) -> bool:
-    return estimate(cfg, gpu, host)["refused"] is None
+    """estimate's verdict, without the closest placement a refusal then computes."""
+    try:
+        resolved(cfg, gpu, host)
+    except ConfigError:
+        return False
+    return True
 
 
 PLACEMENT_KEYS = ("resident_layers", "resident_embeddings", "keep_layers", "keep_attention",
@@ -316,9 +321,8 @@ def largest_fitting(cfg: Config, host: int | None, gpu: int | None):
 
 
 def _state_overflows(cfg: Config, host: int | None, gpu: int | None) -> bool:
-    """Whether a streamed run's weights and optimizer state alone exceed every byte of the
-    host and the GPUs together: no placement fits, and the planner, slowest where it has
-    most layers to try, need not be asked."""
+    """Whether a streamed run's weights and optimizer state alone exceed the host and the
+    GPUs together: no placement fits, and the planner need not be asked."""
     if cfg.loop.trainer != "stream" or host is None or gpu is None:
         return False
     return checkpoint_bytes(cfg) > planned_devices(cfg) * (host + gpu)

@@ -1,6 +1,7 @@
-"""Settings of the update during the backward compared in one process, in turns: each arm's
-steps meet the same host memory, whose bandwidth differs from one process to the next by up
-to a fifth on the lent machines, so a pair of separate runs cannot tell a few percent apart.
+"""Settings of the speculative update (the host update during the backward) compared in one
+process, in turns: each arm's steps meet the same host memory, whose bandwidth differs from
+one process to the next by up to a fifth on the lent machines, so a pair of separate runs
+cannot tell a few percent apart.
 
     python benchmarks/ab_step.py 7b --arm off=off --arm auto=auto --arm half=auto:0.5 \\
         --rounds 3 --steps 3 --warmup 4 [--repeat-batch] [key=value ...] [--out FILE]
@@ -12,8 +13,8 @@ fetched for their backward (`stream.keep_weights` as a number; default: the conf
 each round runs every arm for `--steps` steps, the arms' order rotating from round to round;
 the first step of each block is not timed (the update it waits for was the last arm's).
 Prints one JSON object: per arm the timed steps, their median and tokens/s, tokens/s over
-the timed steps whose own update guessed (`tokens_per_s_guessing`: a step after one that
-clipped does not), the parts guessed and undone; a table last.
+the timed steps whose own update speculated (`tokens_per_s_speculating`: a step after one
+that clipped does not), the parts speculated and undone; a table last.
 `--out` is rewritten after every round, so a run cut short keeps its finished rounds.
 """
 
@@ -91,7 +92,7 @@ def main() -> None:
     default_kept = engine.schedule.keep_weights
     arms = {name: {"speculate": s, "share": share,
                    "kept": default_kept if kept is None else kept, "step_s": [],
-                   "guessing": [], "speculated": [], "rolled_back": []}
+                   "speculating": [], "speculated": [], "undone": []}
             for name, s, share, kept in args.arm}
     step = 0
 
@@ -104,7 +105,7 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         step += 1
         print(f"step {step} {arm and arm['name'] or 'warmup'}: {seconds:.3f} s, loss {loss:.4f}, "
-              f"guessed {metrics.get('speculated_parts')}", file=sys.stderr, flush=True)
+              f"speculated {metrics.get('speculated_parts')}", file=sys.stderr, flush=True)
         return seconds, metrics
 
     for _ in range(args.warmup):
@@ -119,15 +120,16 @@ def main() -> None:
                 seconds, metrics = one_step({"name": name})
                 if k:
                     arm["step_s"].append(seconds)
-                    arm["guessing"].append(bool(metrics.get("guessing", 0.0)))  # its own
-                    # the parts guessed in the update that overlapped this step: this arm's
+                    arm["speculating"].append(bool(metrics.get("speculating", 0.0)))  # its own
+                    # the parts speculated in the update that overlapped this step: this arm's
                     arm["speculated"].append(int(metrics.get("speculated_parts", 0)))
-                    arm["rolled_back"].append(int(metrics.get("rolled_back_parts", 0)))
+                    arm["undone"].append(int(metrics.get("undone_parts", 0)))
         for arm in arms.values():
             arm["median_step_s"] = statistics.median(arm["step_s"])
             arm["tokens_per_s"] = tokens_per_s(cfg.data.tokens_per_step, arm["step_s"])
-            arm["tokens_per_s_guessing"] = tokens_per_s(
-                cfg.data.tokens_per_step, [t for t, g in zip(arm["step_s"], arm["guessing"]) if g])
+            arm["tokens_per_s_speculating"] = tokens_per_s(
+                cfg.data.tokens_per_step,
+                [t for t, g in zip(arm["step_s"], arm["speculating"]) if g])
         result = {"config": args.config, "overrides": args.overrides,
                   "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                   "cores": os.cpu_count(), "tokens_per_step": cfg.data.tokens_per_step,
@@ -136,15 +138,15 @@ def main() -> None:
         if args.out and r + 1 < args.rounds:
             args.out.write_text(json.dumps(result) + "\n")
     emit(result, args.out)
-    print(f"{'arm':10} {'speculate':9} {'share':>5} {'kept':>4} {'tok/s':>8} {'guessing':>8} "
-          f"{'median s':>8}  steps (* guessed); parts guessed")
+    print(f"{'arm':10} {'speculate':9} {'share':>5} {'kept':>4} {'tok/s':>8} {'specul.':>8} "
+          f"{'median s':>8}  steps (* speculating); parts speculated")
     for name, arm in arms.items():
         steps = " ".join(f"{s:.2f}{'*' if g else ''}" for s, g in zip(arm["step_s"],
-                                                                       arm["guessing"]))
-        guessing = arm["tokens_per_s_guessing"]
+                                                                       arm["speculating"]))
+        speculating = arm["tokens_per_s_speculating"]
         print(f"{name:10} {arm['speculate']:9} {arm['share']:5.2f} {arm['kept']:4d} "
               f"{arm['tokens_per_s']:8,.0f} "
-              f"{f'{guessing:,.0f}' if guessing else '-':>8} {arm['median_step_s']:8.3f}  "
+              f"{f'{speculating:,.0f}' if speculating else '-':>8} {arm['median_step_s']:8.3f}  "
               f"{steps}; {arm['speculated']}")
 
 

@@ -4,13 +4,13 @@
     python benchmarks/bench_step.py 7b --sweep 4,8,16,32,64     # batch sizes, one model
 
 tokens/s is the median over the timed steps; each step is timed to the moment its loss is on
-the host. `tokens_per_s_guessing` and `tokens_per_s_not_guessing` split the timed steps by
-whether their own update ran during their backward (`stream.speculate`; a step after one
-that clipped does not guess, and a note on stderr says when some timed steps did not: with
-`--repeat-batch` the first steps clip, so give `--warmup` enough of them). `--phases N` adds
-N steps that wait at the end of each phase (forward, backward, update) to split the time;
-they update after the backward only (no guesses), and are reported apart and never mixed
-into tokens/s.
+the host. `tokens_per_s_speculating` and `tokens_per_s_not_speculating` split the timed
+steps by whether their own update was speculative, begun during their backward
+(`stream.speculate`; a step after one that clipped does not speculate, and a note on stderr
+says when some timed steps did not: with `--repeat-batch` the first steps clip, so give
+`--warmup` enough of them). `--phases N` adds N steps that wait at the end of each phase
+(forward, backward, update) to split the time; they update after the backward only (no
+speculative update), and are reported apart and never mixed into tokens/s.
 The roofline inputs (H2D and D2H bandwidth, one layer's forward and backward, the head, the
 optimizer's rate, the host memory's bandwidth) are measured in the same process, after the
 timed steps, and the JSON carries the bound and the ratio achieved / bound
@@ -116,7 +116,7 @@ def run(cfg, trainer, state, args):
     def batch_at(step: int) -> dict:  # the one batch again and again with --repeat-batch
         return data.batch_at(0 if args.repeat_batch else step)
 
-    times, losses, norms, guesses, guessing = [], [], [], [], []
+    times, losses, norms, speculated, speculating = [], [], [], [], []
     for step in range(args.warmup + args.steps):
         batch = batch_at(step)
         t0 = time.perf_counter()
@@ -131,8 +131,8 @@ def run(cfg, trainer, state, args):
               file=sys.stderr, flush=True)  # the log shows progress, even of a killed run
         norms.append(float(np.asarray(metrics["grad_norm"])))
         if "speculated_parts" in metrics:  # of the update that overlapped this step
-            guesses.append((int(metrics["speculated_parts"]), int(metrics["rolled_back_parts"])))
-        guessing.append(bool(metrics.get("guessing", 0.0)))  # this step's own update
+            speculated.append((int(metrics["speculated_parts"]), int(metrics["undone_parts"])))
+        speculating.append(bool(metrics.get("speculating", 0.0)))  # this step's own update
 
     phases = []
     engine = getattr(trainer, "engine", None)
@@ -149,7 +149,7 @@ def run(cfg, trainer, state, args):
         from megatrain_jax.stream import PhaseTimer
 
         state.wait()  # else the first synced forward would also wait for the last update
-        # The whole update after the backward: a guess would move part of it into the
+        # The whole update after the backward: speculating would move part of it into the
         # backward, and the optimizer's rate taken from the rest would be too high.
         speculate, engine.speculate = engine.speculate, "off"
         for step in range(args.phases):
@@ -166,16 +166,17 @@ def run(cfg, trainer, state, args):
               file=sys.stderr)
     tokens_per_s = tokens / step_s
     # The timed steps split by whether their own update ran during the backward: a median
-    # over both mixes two regimes (the first steps after clipping ones do not guess).
-    flags = guessing[args.warmup:]
+    # over both mixes two regimes (the first steps after clipping ones do not speculate).
+    flags = speculating[args.warmup:]
     if getattr(engine, "speculate", "off") != "off" and not all(flags):
         which = ("none" if not any(flags) else f"only {flags.count(True)}") + \
             f" of the {len(flags)} timed steps"
         print(f"{which} updated during the backward (a step that clips, or follows one, does "
-              "not guess): " + ("the median mixes both, see tokens_per_s_guessing" if any(flags)
-                                else "they waited for their update") +
-              "; give --warmup more steps for steps that guess", file=sys.stderr)
-    tokens_per_s_guessing = steps_tokens_per_s(tokens, [t for t, g in zip(timed, flags) if g])
+              "not speculate): " + ("the median mixes both, see tokens_per_s_speculating"
+                                    if any(flags) else "they waited for their update") +
+              "; give --warmup more steps for steps that speculate", file=sys.stderr)
+    tokens_per_s_speculating = steps_tokens_per_s(tokens,
+                                                  [t for t, g in zip(timed, flags) if g])
     tokens_per_s_not = steps_tokens_per_s(tokens, [t for t, g in zip(timed, flags) if not g])
     p = cfg.model.num_params
     model_flops = 6 * p * tokens_per_s
@@ -227,8 +228,8 @@ def run(cfg, trainer, state, args):
         "devices": engine.placement.devices if engine is not None else 1,
         "tokens_per_s": tokens_per_s, "median_step_s": step_s, "step_s": times,
         "timed_steps_falling": falling,
-        "guessing": guessing, "tokens_per_s_guessing": tokens_per_s_guessing,
-        "tokens_per_s_not_guessing": tokens_per_s_not,
+        "speculating": speculating, "tokens_per_s_speculating": tokens_per_s_speculating,
+        "tokens_per_s_not_speculating": tokens_per_s_not,
         "model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
         "peak_device_gib": (peak_device_bytes() or 0) / 2**30,
         "peak_host_rss_gib": rss / 2**30, "host_bytes_per_param": rss / p,
@@ -246,7 +247,7 @@ def run(cfg, trainer, state, args):
         "placement": dataclasses.asdict(plan_of(cfg)) if engine is not None else None,
         "predicted": predicted(cfg) if engine is not None else None,
         "losses": losses, "grad_norms": norms,
-        "speculated_parts": [g for g, _ in guesses], "rolled_back_parts": [r for _, r in guesses],
+        "speculated_parts": [s for s, _ in speculated], "undone_parts": [u for _, u in speculated],
         "update": "host" if getattr(engine, "host_optimizer", None) else "device",
         "host_kernel": getattr(getattr(engine, "host_optimizer", None), "kernel", None),
         "roofline": roofline,
@@ -264,13 +265,14 @@ def predicted(cfg) -> dict:
     bounds, and the steps `plan` expects (presets.expected_seconds)."""
     rates, n, machine = plan.machine_rates(cfg), plan.planned_devices(cfg), plan.machine()
     clipping = bound_of(cfg, plan_of(cfg), rates, n)
-    guessing = bound_for(cfg, rates, n)
+    speculating = bound_for(cfg, rates, n)
     tokens = cfg.data.tokens_per_step
-    return {"clipping_s": clipping["step_s"], "guessing_s": guessing["step_s"],
+    return {"clipping_s": clipping["step_s"], "speculating_s": speculating["step_s"],
             "tokens_per_s_clipping": tokens / clipping["step_s"],
-            "tokens_per_s_guessing": tokens / guessing["step_s"],
+            "tokens_per_s_speculating": tokens / speculating["step_s"],
             "expected_tokens_per_s_clipping": tokens / expected_seconds(clipping, machine),
-            "expected_tokens_per_s_guessing": tokens / expected_seconds(guessing, machine)}
+            "expected_tokens_per_s_speculating":
+                tokens / expected_seconds(speculating, machine)}
 
 
 if __name__ == "__main__":

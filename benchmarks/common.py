@@ -18,8 +18,8 @@ def emit(result: dict, out: Path | None) -> None:
 
 def still_falling(step_s: list[float], by: float = 0.05) -> bool:
     """Whether timed steps were still getting faster: the later half's median more than `by`
-    below the earlier half's (a fresh machine's memory, the first guesses). Their median then
-    understates the settled rate, and the run wants a longer warm-up."""
+    below the earlier half's (a fresh machine's memory, the first speculative updates). Their
+    median then understates the settled rate, and the run wants a longer warm-up."""
     half = len(step_s) // 2
     if half < 2:
         return False

@@ -75,7 +75,7 @@ def peer(kind: str, shape: str, args: str = "", timeout: int = 400) -> Run:
 STANDARD = "--steps 6 --warmup 2 --phases 2"
 # Steps that update during their backward: one repeated batch, whose first five steps clip,
 # and a warm-up past them (benchmarks/RESULTS.md, "How these were measured").
-GUESSING = "--steps 6 --warmup 8 --repeat-batch --no-roofline"
+SPECULATING = "--steps 6 --warmup 8 --repeat-batch --no-roofline"
 CLI_RUN = "loop.checkpoint_every=2 loop.log_every=1 loop.run_dir={out}/run_1b"
 TRANSFER = Run("transfer", ("benchmarks/bench_transfer.py", "--gib", "4"), 150)
 LONG = "--steps 1 --warmup 1 --no-roofline data.batch_size=1"
@@ -100,12 +100,12 @@ PRESETS: dict[str, list[Run]] = {
     # Speed against peers, one GPU: 7b by the defaults and at under 16 GiB, 7b on random
     # tokens (every step clips), 3b; PyTorch resident at 7b, DeepSpeed ZeRO-3 offload at 3b
     # (its wheels carried: peers/deepspeed_wheels.sh; its CPU Adam compiles first, ~40 s).
-    "speed": [step("7b_defaults", "7b", GUESSING),
+    "speed": [step("7b_defaults", "7b", SPECULATING),
               step("7b_keep3", "7b", "--steps 4 --warmup 8 --repeat-batch --phases 2 "
                    "stream.keep_weights=3"),
               step("7b_clipping", "7b", "--steps 6 --warmup 2 --no-roofline "
                    "stream.keep_weights=3"),
-              step("3b_defaults", "3b", GUESSING),
+              step("3b_defaults", "3b", SPECULATING),
               peer("resident", "7b", "--steps 6 --warmup 2"),
               peer("deepspeed", "3b", "--steps 6 --warmup 2", timeout=540)],
     # Memory and capacity: host bytes per parameter by gradient and moment dtype; 14b with
@@ -128,9 +128,9 @@ PRESETS: dict[str, list[Run]] = {
              long_run("7b_seq262144", 262144),
              long_run("7b_2_layers_seq524288", 524288, "model.layers=2")],
     # Several GPUs: 7b at 16 x 1024 tokens a GPU on one, two and four; FSDP2 on four.
-    "mesh": [step("7b_1gpu", "7b", f"{GUESSING} mesh.data=1"),
-             step("7b_2gpu", "7b", f"{GUESSING} mesh.data=2 data.batch_size=32"),
-             step("7b_4gpu", "7b", f"{GUESSING} mesh.data=4 data.batch_size=64"),
+    "mesh": [step("7b_1gpu", "7b", f"{SPECULATING} mesh.data=1"),
+             step("7b_2gpu", "7b", f"{SPECULATING} mesh.data=2 data.batch_size=32"),
+             step("7b_4gpu", "7b", f"{SPECULATING} mesh.data=4 data.batch_size=64"),
              fsdp2(4)],
     # Scaling of the bound: the bound's terms measured in the process; tokens a step from 4k
     # to 64k on one initialized model (one synced step each); 64 x 1024 with the last 21

@@ -1,13 +1,25 @@
 """Shared helpers: tiny configs in fp32 on the CPU, leaf-by-leaf comparison, and a
 persistent compilation cache for the session (the tests train the same tiny models many
-times)."""
+times).
 
-import jax
-import numpy as np
-import pytest
+The tests' programs are compiled without LLVM's most expensive passes (FAST_COMPILE):
+compiling, not running, is most of a tiny model's time, and it takes about a fifth less so.
+The values are those of a default build (a bf16 run and its reference give the same bits
+both ways), unlike with --xla_backend_optimization_level=0, which changes them. The
+processes the tests start get the flag through the environment."""
 
-from megatrain_jax.config import load_config
-from megatrain_jax.stream.trace import Tracer
+import os
+
+FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true"
+if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):  # read when the CPU backend starts
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from megatrain_jax.config import load_config  # noqa: E402
+from megatrain_jax.stream.trace import Tracer  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 
@@ -61,7 +73,7 @@ def side_by_side(cfg, steps: int):
                         "grad_norm": float(m["grad_norm"]), "ref_lr": float(rm["lr"]),
                         "lr": float(m["lr"]),
                         "speculated": int(m.get("speculated_parts", 0)),
-                        "rolled_back": int(m.get("rolled_back_parts", 0))})
+                        "undone": int(m.get("undone_parts", 0))})
     return ref_state, state, stream, records
 
 
@@ -89,14 +101,21 @@ def compilation_cache(tmp_path_factory):
     """A persistent compilation cache private to the test session: every trainer builds its
     own programs, and the many tests that train the same tiny models would compile them
     again (about 30 s for the tiny model on 2 busy cores); with the cache, later compiles
-    are loads (about 3 s). Tests that count compilations use shapes no other test uses."""
+    are loads (about 3 s). Under pytest-xdist the session's workers share one cache (the
+    folder above their own), so a program one worker compiled is a load for the other.
+    Tests that count compilations use shapes no other test uses."""
     from jax.experimental.compilation_cache import compilation_cache as cache
 
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes")
     saved = {name: getattr(jax.config, name) for name in names}
     cache.reset_cache()
-    for name, value in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0, 0)):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the session's folder, beside the workers'
+        folder = tmp_path_factory.getbasetemp().parent / "jax_cache"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("jax_cache")
+    for name, value in zip(names, (str(folder), 0, 0)):
         jax.config.update(name, value)
     yield
     for name, value in saved.items():

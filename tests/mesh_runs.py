@@ -3,7 +3,7 @@
     python tests/mesh_runs.py DEVICES SCENARIO OUT.json [ARGS...]
 
 The device count must be fixed before JAX starts, so the tests run these as subprocesses:
-    compare DIR       20 steps on the mesh (guessing every update, undone where a step
+    compare DIR       20 steps on the mesh (speculating every update, undone where a step
                       clips; none dropped as late) against the one-device reference, the state's
                       shardings, then runs of the training loop in DIR (a straight one, and
                       one that stops at a checkpoint for other device counts to resume), and
@@ -18,7 +18,8 @@ import sys
 
 
 def _start(devices: int) -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    flags = os.environ.get("XLA_FLAGS", "")  # the test session's (conftest.py), kept
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.dirname(__file__))
 
@@ -58,7 +59,7 @@ def compare(run_dir: str) -> dict:
     from megatrain_jax.train import train
 
     out = {"devices": jax.device_count()}
-    speculation.DROP_LATE_GUESSES = False  # every guess runs: the test counts them
+    speculation.DROP_LATE_SPECULATION = False  # every one runs: the test counts them
     resident = ["stream.update=device", "stream.resident_layers=1",
                 "stream.resident_embeddings=on", "stream.saved_inputs=pinned_host"]
     for name, extra in (("host", ["stream.speculate=on"]), ("device_resident", resident)):

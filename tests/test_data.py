@@ -162,7 +162,7 @@ def test_packing_keeps_examples_apart():
                  "mask": mask[None].astype(np.float32)}
         if seg is not None:
             batch.update(segment_ids=seg[None], positions=pos[None])
-        return float(model.loss(params, batch, cfg.model, 1.0))
+        return float(jax.jit(model.loss, static_argnums=2)(params, batch, cfg.model, 1.0))
 
     packed = np.concatenate([a, b])
     seg = np.array([1] * 9 + [2] * 6)

@@ -132,8 +132,9 @@ def test_stream_training_from_hf_then_cli_export(tmp_path, capsys):
     progress = capsys.readouterr().err
     assert "import 4/4  part head" in progress and "export 1/1  file model.safetensors" in progress
     assert re.search(r"init (\d+)/\1  part head optimizer state", progress), progress
-    # the host update that overlapped step 2: the parts it updated during the backward, undone
-    assert re.search(r"train 2/2 .*  guessed \d+  undone \d+", progress), progress
+    # step 1's speculative update, finished beside step 2: the parts it updated during the
+    # backward ("early"), and those undone
+    assert re.search(r"train 2/2 .*  early update \d+ parts, \d+ undone", progress), progress
     out = tmp_path / "out"
     assert (out / "tokenizer.json").is_file()
     ours = np.asarray(model.logits(on_device(trained), TOKENS, cfg.model))

@@ -21,12 +21,26 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = Path(__file__).resolve().parent / "mesh_runs.py"
 sys.path.insert(0, str(RUNS.parent))
 import mesh_runs  # noqa: E402
+from conftest import FAST_COMPILE  # noqa: E402
+
+
+def _env(**more) -> dict:
+    """A subprocess's environment: this checkout's code, on the CPU, with the test session's
+    compilation cache (conftest.py): the runs' trainers build the same programs again."""
+    import jax
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", **more}
+    env["XLA_FLAGS"] = f"{FAST_COMPILE} {more.get('XLA_FLAGS', '')}".strip()  # no device count
+    return env
 
 
 def run(devices: int, scenario: str, out: Path, *args, timeout: int = 600,
         background: bool = False):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("XLA_FLAGS", None)
+    env = _env()
     command = [sys.executable, str(RUNS), str(devices), scenario, str(out), *map(str, args)]
     if background:
         return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
@@ -123,9 +137,7 @@ def test_a_batch_that_does_not_split_over_the_devices_is_refused_with_the_fix(tm
 
 
 def test_the_nnx_example_runs_on_four_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "nnx_scanned.py"),
                            "--steps", "6", "--devices", "4"], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -148,9 +160,7 @@ def test_two_processes_of_the_command_line_match_one_process(tmp_path):
     each: the same losses as one process with both devices; the first process writes the
     run's folder, the other only its log."""
     port, run_dir = _free_port(), tmp_path / "run"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("XLA_FLAGS", None)
+    env = _env()
     overrides = [*mesh_runs.COMPARED, "model.compute_dtype=float32", "loop.steps=4",
                  f"loop.run_dir={run_dir}", "loop.progress=none", "loop.log_every=1"]
     procs = [subprocess.Popen([sys.executable, "-m", "megatrain_jax.cli", "train", "tiny",

@@ -1,4 +1,4 @@
-"""The host update during the backward: guesses, validation, undo, exactness (CPU)."""
+"""The speculative update during the backward: its parts, validation, undo, exactness (CPU)."""
 
 import dataclasses
 import functools
@@ -29,10 +29,10 @@ EPS32 = 2.0**-24
 
 
 @pytest.fixture(autouse=True)
-def every_guess_runs(monkeypatch):
-    """The tests here count the guessed parts: every guess runs, none is dropped for being
-    late, so the count depends on the gradients alone (the dropping has its own test)."""
-    monkeypatch.setattr(speculation, "DROP_LATE_GUESSES", False)
+def every_speculative_update_runs(monkeypatch):
+    """The tests here count the speculated parts: every speculative update runs, none is dropped for
+    being late, so the count depends on the gradients alone (the dropping has its own test)."""
+    monkeypatch.setattr(speculation, "DROP_LATE_SPECULATION", False)
 
 
 def _random_state(seed, shape=(64, 48)):
@@ -112,22 +112,22 @@ def _train_both(cfg, steps):
     return (*_reference_run(plain, steps), *_stream_run(cfg, steps))
 
 
-def _guess_counts(records):
-    """(speculated, rolled back) parts of each step, from the next step's metrics."""
-    return [(int(m["speculated_parts"]), int(m["rolled_back_parts"]))
+def _speculation_counts(records):
+    """(speculated, undone) parts of each step, from the next step's metrics."""
+    return [(int(m["speculated_parts"]), int(m["undone_parts"]))
             for m in records if "speculated_parts" in m]
 
 
 @pytest.mark.parametrize("mode", ["on", "auto"])
-def test_twenty_steps_with_guesses_match_the_reference(mode):
+def test_twenty_steps_with_speculative_updates_match_the_reference(mode):
     cfg = _cfg(f"stream.speculate={mode}")
     ref_state, ref_losses, state, losses, norms, records = _train_both(cfg, 20)
     assert any(n > 1.0 for n in norms) and any(n < 1.0 for n in norms), norms  # clip triggers
-    counts = _guess_counts(records)
+    counts = _speculation_counts(records)
     host_parts = cfg.model.layers + 1  # the head and the layers; the embedding comes last
-    assert any(s == host_parts and r == 0 for s, r in counts), counts  # guesses that stood
+    assert any(s == host_parts and r == 0 for s, r in counts), counts  # updates that stood
     if mode == "on":
-        assert any(r > 0 for _, r in counts), counts  # guesses undone and redone
+        assert any(r > 0 for _, r in counts), counts  # updates undone and redone
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert max_rel_error(state.params, ref_state.params) <= 1e-5
     for moment in ("mu", "nu"):
@@ -137,7 +137,7 @@ def test_twenty_steps_with_guesses_match_the_reference(mode):
         assert max_rel_error(streamed, whole) <= 1e-4, moment
 
 
-def test_a_share_guesses_the_first_parts_of_the_backward_only():
+def test_a_share_speculates_the_first_parts_of_the_backward_only():
     """stream.speculate_share=0.5: the head and the last layers, up to half the host
     parameters, are updated during the backward; the rest after it. Exact all the same."""
     cfg = _cfg("stream.speculate=on", "stream.speculate_share=0.5")
@@ -145,19 +145,19 @@ def test_a_share_guesses_the_first_parts_of_the_backward_only():
     engine = StreamTrainer(cfg).engine
     sizes = [sum(leaf.size for leaf in jax.tree.leaves(part)) for part in
              [state.params["embed"], *state.params["layers"], state.params["head"]]]
-    guessed = engine.guessed_parts([np.zeros(n) for n in sizes])
+    speculated = engine.speculative_parts([np.zeros(n) for n in sizes])
     last = len(sizes) - 1
-    assert guessed == set(range(min(guessed), last + 1)) and 0 < len(guessed) < last
-    assert sum(sizes[k] for k in guessed) <= 0.5 * sum(sizes)
-    assert sum(sizes[k] for k in guessed) + sizes[min(guessed) - 1] > 0.5 * sum(sizes)
-    assert max(s for s, _ in _guess_counts(records)) == len(guessed)
+    assert speculated == set(range(min(speculated), last + 1)) and 0 < len(speculated) < last
+    assert sum(sizes[k] for k in speculated) <= 0.5 * sum(sizes)
+    assert sum(sizes[k] for k in speculated) + sizes[min(speculated) - 1] > 0.5 * sum(sizes)
+    assert max(s for s, _ in _speculation_counts(records)) == len(speculated)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert max_rel_error(state.params, ref_state.params) <= 1e-5
 
 
-def test_guesses_in_bfloat16_match_the_reference():
+def test_speculative_updates_in_bfloat16_match_the_reference():
     """bf16 compute: the streamed and whole-model runs sum in other orders, so they agree
-    to bf16's precision, with guesses as without."""
+    to bf16's precision, with speculative updates as without."""
     errors = {}
     for mode in ("off", "on"):
         cfg = _cfg(f"stream.speculate={mode}", "model.compute_dtype=bfloat16", "optim.lr=1e-3")
@@ -165,26 +165,28 @@ def test_guesses_in_bfloat16_match_the_reference():
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
         errors[mode] = max_rel_error(state.params, ref_state.params)
         assert errors[mode] <= 5e-2
-    assert any(r > 0 for _, r in _guess_counts(records))  # the "on" run undid guesses
+    assert any(r > 0 for _, r in _speculation_counts(records))  # the "on" run undid some
     assert errors["on"] <= 1.5 * errors["off"], errors
 
 
-def test_the_policy_stops_guessing_when_every_step_clips():
+def test_the_policy_stops_speculating_when_every_step_clips():
     _, _, norms, records = _stream_run(_cfg("optim.clip_norm=0.01", "stream.speculate=auto"), 5)
     assert all(n > 0.01 for n in norms)
-    assert [s for s, _ in _guess_counts(records)] == [0] * 4
-    assert [m["guessing"] for m in records] == [0.0] * 5  # each step's own choice
-    # and guesses on every step, the first too, once clipping is off
+    assert [s for s, _ in _speculation_counts(records)] == [0] * 4
+    assert [m["speculating"] for m in records] == [0.0] * 5  # each step's own choice
+    # and speculates on every step, the first too, once clipping is off
     _, _, _, records = _stream_run(_cfg("optim.clip_norm=0", "stream.speculate=auto"), 3)
-    assert [s for s, _ in _guess_counts(records)] == [4, 4]
-    assert [m["guessing"] for m in records] == [1.0] * 3
+    assert [s for s, _ in _speculation_counts(records)] == [4, 4]
+    assert [m["speculating"] for m in records] == [1.0] * 3
 
 
-def test_guesses_not_started_when_the_backward_ends_are_dropped_and_change_no_bit(monkeypatch):
-    """The worker held until the backward's end (a `before_write` that waits): every guess
+def test_speculative_updates_not_started_by_the_backward_end_are_dropped_changing_no_bit(
+        monkeypatch):
+    """The worker held until the backward's end (a `before_write` that waits): every
+    speculative update
     of that step is still queued, so none runs, and each part is updated once, after the
-    backward, bit for bit as without guessing; a clipping step drops none."""
-    monkeypatch.setattr(speculation, "DROP_LATE_GUESSES", True)
+    backward, bit for bit as without speculating; a clipping step drops none."""
+    monkeypatch.setattr(speculation, "DROP_LATE_SPECULATION", True)
     runs = {}
     for mode in ("on", "off"):
         cfg = _cfg(f"stream.speculate={mode}", "optim.clip_norm=0")
@@ -195,14 +197,14 @@ def test_guesses_not_started_when_the_backward_ends_are_dropped_and_change_no_bi
             state, _ = trainer.train_step(state, data.batch_at(step), before_write=release.wait)
             release.set()
             state.wait()
-            if mode == "on":  # guesses were submitted, and all came too late
+            if mode == "on":  # speculative updates were submitted, and all came too late
                 assert state.pending.speculate and state.pending.speculated == set()
         runs[mode] = jax.tree.map(np.array, (state.params, state.opt_state))
     for x, y in zip(*map(jax.tree.leaves, runs.values())):
         np.testing.assert_array_equal(x, y)
 
     # Step 0's norm is 1.08: with 0.8 the step clips after the head and layers 2 and 1 are
-    # guessed. Held, those guesses run late all the same, and are undone.
+    # speculated. Held, those speculative updates run late all the same, and are undone.
     cfg = _cfg("stream.speculate=on", "optim.clip_norm=0.8")
     data, trainer = TokenSource(cfg), StreamTrainer(cfg)
     state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
@@ -211,10 +213,10 @@ def test_guesses_not_started_when_the_backward_ends_are_dropped_and_change_no_bi
     release.set()
     update = state.wait().pending
     assert float(m["grad_norm"]) > 0.8
-    assert update.speculated == {"head", "layer 2", "layer 1"} and update.rolled_back == 3
+    assert update.speculated == {"head", "layer 2", "layer 1"} and update.undone == 3
 
 
-def test_a_guess_reads_the_sum_of_squares_copied_to_the_host_beside_its_gradient(monkeypatch):
+def test_a_speculative_update_reads_the_sum_of_squares_copied_beside_its_gradient(monkeypatch):
     """The worker reads each part's sum of squares from host memory, where its copy follows
     the gradient's: a device scalar would need a transfer of its own, queued behind every
     copy issued since."""
@@ -242,9 +244,9 @@ class _Recording:
         self.updated.append(params["name"])
 
 
-def _held_guesses(sums, clip_norm):
+def _held_speculation(sums, clip_norm):
     """A StepUpdate given parts whose running sums of squares are `sums` (in the backward's
-    order) while its worker is held: (the parts it updated, in order; those it guessed)."""
+    order) while its worker is held: (the parts it updated, in order; those it speculated)."""
     host, release, place = _Recording(), threading.Event(), Placement()
     update = speculation.StepUpdate(host, clip_norm, speculate=True,
                                     before_write=release.wait)
@@ -257,11 +259,11 @@ def _held_guesses(sums, clip_norm):
     return host.updated, update.speculated
 
 
-def test_the_worker_takes_the_newest_guess_first():
+def test_the_worker_takes_the_newest_speculative_update_first():
     """Gradients handed over faster than the host updates them are taken newest first: what
     the backward leaves undone is then not all among the first layers, which the next
     forward needs first."""
-    updated, _ = _held_guesses([0.01] * 4, clip_norm=1.0)
+    updated, _ = _held_speculation([0.01] * 4, clip_norm=1.0)
     assert updated == ["part 3", "part 2", "part 1", "part 0"]
 
 
@@ -274,18 +276,19 @@ def test_with_no_gradients_landed_the_worker_takes_the_oldest():
     assert speculation.next_part([1, 3], [False, True]) == 3
 
 
-def test_the_parts_guessed_do_not_depend_on_the_order_they_are_taken_in():
-    """A part is guessed while the sum over it and every part before it in the backward stays
+def test_the_parts_speculated_do_not_depend_on_the_order_they_are_taken_in():
+    """A part is speculated while the sum over it and every part before it in the backward
+    stays
     within the threshold (from the third part here, 0.75 > 0.7 ** 2): the parts of a step
     that clips are the same however the worker's timing falls, and a non-finite sum stops
-    every later guess."""
-    updated, guessed = _held_guesses([0.25, 0.45, 0.75, 0.85], clip_norm=0.7 ** 0.5)
-    assert guessed == {"part 0", "part 1"} and updated == ["part 1", "part 0"]
-    _, guessed = _held_guesses([0.1, float("nan"), float("nan")], clip_norm=0.0)
-    assert guessed == {"part 0"}
+    every later speculative update."""
+    updated, speculated = _held_speculation([0.25, 0.45, 0.75, 0.85], clip_norm=0.7 ** 0.5)
+    assert speculated == {"part 0", "part 1"} and updated == ["part 1", "part 0"]
+    _, speculated = _held_speculation([0.1, float("nan"), float("nan")], clip_norm=0.0)
+    assert speculated == {"part 0"}
 
 
-def test_a_guess_lets_its_gradients_go_once_taken():
+def test_a_speculative_update_lets_its_gradients_go_once_taken():
     """The step's update lives on as the next step's `pending`, while the next step's
     gradients fill the pinned pool: it must hold none of its own by then."""
     class Gradients:
@@ -363,7 +366,7 @@ def _poison_layer0_gradients(engine, at_call):
     engine.schedule.programs = dataclasses.replace(engine.programs, layer_backward=poisoned)
 
 
-def test_nan_in_the_last_part_undoes_every_guess_and_skips():
+def test_nan_in_the_last_part_undoes_every_speculative_update_and_skips():
     cfg = _cfg("stream.speculate=on", "optim.clip_norm=100")
     trainer = StreamTrainer(cfg)
     engine, data = trainer.engine, TokenSource(cfg)
@@ -374,14 +377,14 @@ def test_nan_in_the_last_part_undoes_every_guess_and_skips():
     state = trainer.init(jax.random.key(0))
     for step in range(2):
         state, m = trainer.train_step(state, data.batch_at(step))
-    assert int(m["speculated_parts"]) == layers + 1  # step 0's guesses stood (head, layers)
+    assert int(m["speculated_parts"]) == layers + 1  # step 0's stood (head, layers)
     before = jax.tree.map(np.array, (state.params, state.opt_state))
     state, m = trainer.train_step(state, data.batch_at(2))
     assert bool(m["skipped"])
     update = state.wait().pending
-    # head and layers L-1..1 guessed and undone; layer 0 not guessed: its gradient is NaN
+    # head and layers L-1..1 speculated and undone; layer 0 not speculated: its gradient is NaN
     assert update.speculated == {"head", *(f"layer {i}" for i in range(1, layers))}
-    assert update.rolled_back == layers
+    assert update.undone == layers
     leaves = jax.tree.leaves((state.params, state.opt_state))
     after = [np.asarray(leaf) for leaf in leaves]
     for leaf, x, y in zip(leaves, jax.tree.leaves(before), after):
@@ -393,9 +396,9 @@ def test_nan_in_the_last_part_undoes_every_guess_and_skips():
         [state.params["head"], *state.params["layers"][1:]]))
 
 
-def test_resume_is_bit_exact_across_a_rolled_back_step(tmp_path):
+def test_resume_is_bit_exact_across_an_undone_step(tmp_path):
     """Checkpoint at step 6, whose update (auto: the last norm was within the threshold)
-    guesses and rolls back: the resumed run must take that path too, which needs the last
+    speculates and is undone: the resumed run must take that path too, which needs the last
     gradient norm from the checkpoint's record."""
     def cfg(run, steps):
         return _cfg("stream.speculate=auto", "optim.clip_norm=1.4", "loop.log_every=1",
@@ -411,8 +414,8 @@ def test_resume_is_bit_exact_across_a_rolled_back_step(tmp_path):
     train(cfg("b", 6))
     resumed = train(cfg("b", 8))
     # the record of the 8th step reports the 7th's update, the first after the resume
-    assert records("a")[8]["rolled_back_parts"] > 0
-    assert records("b")[8]["rolled_back_parts"] == records("a")[8]["rolled_back_parts"]
+    assert records("a")[8]["undone_parts"] > 0
+    assert records("b")[8]["undone_parts"] == records("a")[8]["undone_parts"]
     for x, y in zip(jax.tree.leaves(straight["state"].params),
                     jax.tree.leaves(resumed["state"].params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -466,7 +469,7 @@ def test_the_step_programs_keep_every_bf16_value_as_the_program_writes_it():
 def test_bf16_layer_gradients_are_exact():
     """stream.grad_dtype=auto (the default), bf16 compute, one micro-batch: layer gradients
     reach the host as bf16 (embedding and head stay fp32), and training is bit for bit the
-    fp32-gradient run's, guesses included; with two micro-batches (summed in fp32 on the
+    fp32-gradient run's, speculative updates included; with two micro-batches (summed in fp32 on the
     device), or over several devices, they stay fp32."""
     from megatrain_jax.config import auto
 

@@ -370,7 +370,7 @@ def test_a_speculated_update_moves_its_time_to_the_backward():
     backward = max(b["compute_backward_s"], b["d2h_s"], b["optimizer_s"],
                    b["host_memory_backward_s"])
     assert b["step_s"] == pytest.approx(forward + rates.head_s + backward + layer / 4e9)
-    # Off, the schedule is the usual one; with the update on the device, guessing is too.
+    # Off, the schedule is the usual one; with the update on the device, speculating is too.
     off = streamed(load_config("7b", ["stream.grad_dtype=float32", "stream.speculate=off"]))
     usual = roofline.bound_for(off, rates)
     assert usual["host_memory_forward_s"] == pytest.approx((28 + 4) * p / 100e9)
@@ -379,9 +379,9 @@ def test_a_speculated_update_moves_its_time_to_the_backward():
         roofline.bound_for(off, serial)["step_s"]
 
 
-def test_a_guessing_step_takes_the_best_share_of_the_update_beside_the_backward():
+def test_a_speculating_step_takes_the_best_share_of_the_update_beside_the_backward():
     """A share f of the update beside the backward: f of its bytes and time there, the rest
-    beside the forward. A step that guesses drops the guesses still queued when the
+    beside the forward. A step that speculates drops the speculative updates still queued when the
     backward ends, so its bound is that of the best share (up to stream.speculate_share):
     the one that fills the backward's spare host memory."""
     fp32_grads = ["stream.grad_dtype=float32"]

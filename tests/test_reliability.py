@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import shutil
-import statistics
 
 import jax
 import numpy as np
@@ -227,9 +226,16 @@ def test_optimizer_and_data_changes_are_named_and_can_be_accepted(base):
                                 "loop.accept_changes=true")), meta, folder)
 
 
-def test_the_summary_gives_the_median_speed(base):
+def test_the_summary_gives_the_runs_speed_after_its_first_step(base):
+    """tokens/s of the summary: the tokens of every step after the first (which compiles)
+    over those steps' wall time, as metrics.jsonl's records add them up."""
     records = [json.loads(line) for line in (base[0] / "metrics.jsonl").read_text().splitlines()]
-    assert base[1]["tokens_per_s"] == statistics.median(r["tokens_per_s"] for r in records[1:])
+    summary, tokens_per_step = base[1], tiny().data.tokens_per_step
+    steps = [r["step"] - before["step"] for before, r in zip(records, records[1:])]
+    seconds = sum(n * r["step_seconds"] for n, r in zip(steps, records[1:]))
+    assert records[0]["step"] == 1 and summary["timed_steps"] == sum(steps) == 3
+    assert summary["timed_s"] == pytest.approx(seconds, rel=1e-9)
+    assert summary["tokens_per_s"] == pytest.approx(3 * tokens_per_step / seconds, rel=1e-9)
 
 
 # ----- errors a user can act on ------------------------------------------------------------------

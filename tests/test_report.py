@@ -24,8 +24,8 @@ def run_dir(tmp_path_factory):
     cfg = tiny("model.layers=3", "loop.steps=5", "loop.log_every=1", f"loop.run_dir={path}",
                "loop.timeline_step=2", "loop.progress=none", "stream.speculate=on",
                "optim.clip_norm=0")  # every part but the embedding updated during the backward
-    with pytest.MonkeyPatch.context() as patch:  # every guess runs, none dropped as late
-        patch.setattr(speculation, "DROP_LATE_GUESSES", False)
+    with pytest.MonkeyPatch.context() as patch:  # every speculative update runs, none dropped
+        patch.setattr(speculation, "DROP_LATE_SPECULATION", False)
         train(cfg)
     return path
 
@@ -39,8 +39,8 @@ def test_metrics_have_every_field_every_step(run_dir):
     # from step 2 on, the host update of the step before overlapped this one
     assert all(r["time_update_s"] > 0 for r in records[1:])
     assert [r["speculated_parts"] for r in records[1:]] == [4] * 4  # 3 layers and the head
-    assert [r["guessing"] for r in records] == [1.0] * 5  # each step's own update guessed
-    assert all(r["rolled_back_parts"] == 0 for r in records[1:])  # no clipping: all stand
+    assert [r["speculating"] for r in records] == [1.0] * 5  # each step's own update
+    assert all(r["undone_parts"] == 0 for r in records[1:])  # no clipping: all stand
 
 
 def test_timeline_shows_every_layer_on_every_lane(run_dir):
@@ -72,7 +72,8 @@ def test_report_writes_valid_pngs_and_a_summary(run_dir):
     text = "\n".join(lines)
     assert "steps 5" in text and "tokens/s" in text and "timeline of step 3" in text
     assert "peak GPU: not reported (no GPU)" in text  # the CPU reports no device memory
-    assert "update during the backward: 4 of 5 logged steps guessed 16 parts, 0 undone" in text
+    assert ("speculative update: 4 of 5 logged steps updated 16 parts early (during their "
+            "backward), 0 undone") in text
 
 
 def test_timeline_labels_fit_their_bars_and_never_overlap(run_dir):

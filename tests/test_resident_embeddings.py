@@ -1,7 +1,7 @@
-"""The embedding and the head on the GPU (`stream.resident_embeddings`): their weights and
-optimizer state live there and update there, the host and its update lane carry the layers
-only; the same training as the reference, guesses and clipping included; a NaN in the head
-stops every guess; `auto` places them by the GPU's room, and the plan follows."""
+"""The embedding and the head on the GPU (`stream.resident_embeddings`): their weights and optimizer
+state live there and update there, the host and its update lane carry the layers only; the same
+training as the reference, speculative updates and clipping included; a NaN in the head stops every
+speculative update; `auto` places them by the GPU's room, and the plan follows."""
 
 import dataclasses
 
@@ -65,25 +65,25 @@ def test_they_live_travel_never_and_update_on_the_device():
         target["opt_state"]["layers"])} == {"pinned_host"}
 
 
-def test_steps_match_the_reference_with_guesses_undone_and_standing():
-    """Every step guesses the layers' updates during the backward (stream.speculate=on): the
-    first steps clip, after their guesses ran, and undo and redo them; later ones do not, and
-    their guesses stand. The embedding and head update on the device."""
+def test_steps_match_the_reference_with_speculative_updates_undone_and_standing():
+    """Every step speculates the layers' updates during the backward (stream.speculate=on): the
+    first steps clip, after their speculative updates ran, and undo and redo them; later ones do
+    not, and their speculative updates stand. The embedding and head update on the device."""
     cfg = tiny("model.layers=3", "data.batch_size=4", "data.micro_batches=2", "loop.steps=20",
                "optim.lr=1e-2", "optim.clip_norm=1.0", "schedule.warmup_steps=3",
                "stream.speculate=on", "stream.resident_embeddings=on")
     stream, records = agrees_with_reference_while_clipping(cfg, 14)
     assert stream.engine.placement.resident_embeddings
     # Each record tells of the update of the step before it.
-    undone = [r["rolled_back"] for r in records[1:]]
-    stood = [r["speculated"] - r["rolled_back"] for r in records[1:]]
+    undone = [r["undone"] for r in records[1:]]
+    stood = [r["speculated"] - r["undone"] for r in records[1:]]
     assert any(undone) and any(stood), (undone, stood)
 
 
-def test_a_nan_in_the_resident_head_stops_every_guess_and_writes_nothing():
-    """The guesses follow the step's running sum of squares, which starts with the head's
-    even where the head's gradient stays on the GPU: a NaN there leaves every layer unguessed,
-    and the skipped step leaves every weight and moment as it was, bit for bit."""
+def test_a_nan_in_the_resident_head_stops_every_speculative_update_and_writes_nothing():
+    """The speculative updates follow the step's running sum of squares, which starts with the
+    head's even where the head's gradient stays on the GPU: a NaN there leaves every layer
+    unspeculated, and the skipped step leaves every weight and moment as it was, bit for bit."""
     trainer, state, data = _trainer("stream.speculate=on", "optim.clip_norm=100")
     engine = trainer.engine
     original = engine.programs.head
@@ -99,7 +99,7 @@ def test_a_nan_in_the_resident_head_stops_every_guess_and_writes_nothing():
     state, m = trainer.train_step(state, data.batch_at(1))
     assert bool(m["skipped"])
     update = state.wait().pending
-    assert update.speculated == set() and update.rolled_back == 0
+    assert update.speculated == set() and update.undone == 0
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
         np.testing.assert_array_equal(np.asarray(y), x)
 

@@ -232,8 +232,8 @@ def test_what_compact_moments_cannot_do_is_refused():
         tiny("optim.state_dtype=fp8")
 
 
-def test_auto_speculation_never_guesses_with_compact_moments():
-    """No step clips, which would make `auto` guess every step with fp32 moments; rounded
+def test_auto_never_speculates_with_compact_moments():
+    """No step clips, which would make `auto` speculate every step with fp32 moments; rounded
     moments cannot be undone, so it never does."""
     from megatrain_jax.io.data import TokenSource
     from megatrain_jax.train import StreamTrainer

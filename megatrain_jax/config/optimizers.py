@@ -61,9 +61,9 @@ def optimizer_checks(cfg) -> list[tuple[bool, str]]:
          f"optim.state_dtype={o.state_dtype} stores Adam's two moments (Muon's momentum): it "
          f"applies to optim.name adamw, adam or muon, not '{o.name}'"),
         (not compact or s.speculate != "on",
-         f"stream.speculate=on undoes wrong guesses exactly, which {o.state_dtype} "
-         "moments (rounded when stored) do not allow: use stream.speculate=off or auto, or "
-         "optim.state_dtype=float32"),
+         f"stream.speculate=on undoes a clipping step's speculative update exactly, which "
+         f"{o.state_dtype} moments (rounded when stored) do not allow: use "
+         "stream.speculate=off or auto, or optim.state_dtype=float32"),
     ]
     if o.name != "muon":
         return checks
@@ -73,9 +73,9 @@ def optimizer_checks(cfg) -> list[tuple[bool, str]]:
          "momentum in float32 or bfloat16 (optax's mu_dtype): set optim.state_dtype to one "
          "of them"),
         (s.speculate != "on",
-         "stream.speculate=on guesses a host update during the backward; Muon updates on "
-         "the GPU after the backward, once the global norm is known, so nothing is guessed: "
-         "use stream.speculate=auto or off"),
+         "stream.speculate=on runs a speculative host update during the backward; Muon "
+         "updates on the GPU after the backward, once the global norm is known, so nothing "
+         "is speculative: use stream.speculate=auto or off"),
         (o.muon.ns_coeffs != "dion" or o.muon.ns_steps == DION_STEPS,
          f"optim.muon.ns_coeffs=dion is {DION_STEPS} steps of their own coefficients: set "
          f"optim.muon.ns_steps={DION_STEPS} (got {o.muon.ns_steps})"),

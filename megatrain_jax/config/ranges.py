@@ -91,7 +91,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "stream.loss_chunk": ("[1, inf)", ""),
     "stream.host_memory_gb": ("[0, inf)", "0: sized from the model"),
     "stream.gpu_budget_gb": ("[0, inf)", "0: what XLA may allocate on each GPU"),
-    "stream.speculate_share": ("(0, 1]", "stream.speculate=off guesses nothing"),
+    "stream.speculate_share": ("(0, 1]", "stream.speculate=off speculates nothing"),
     "stream.mlp_tile": ("[0, inf)", "0: automatic"),
     "stream.attention_chunk": ("[0, inf)", "0: automatic"),
     "mesh.data": ("[0, inf)", "0: every device"),

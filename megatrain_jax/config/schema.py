@@ -150,13 +150,13 @@ class StreamConfig:
     loss_chunk: int = 1024  # tokens of the sequence per cross-entropy chunk
     host_memory_gb: float = 0.0  # each GPU's pinned pool; 0: sized from the model
     update: str = "auto"  # host: in place on the host, overlapped; device: any Optax; auto
-    # Host update during the backward on the guess that the step will not clip (undone and
-    # redone when it does): off, auto (guess when the last step did not clip), on. A guess
-    # not started by the backward's end is dropped and done after it (docs/guide.md).
+    # Speculative update: the host update during the backward, as if the step will not clip
+    # (undone and redone when it does): off, auto (when the last step did not clip), on. A
+    # part not started by the backward's end is updated after it (docs/guide.md).
     speculate: str = "auto"
     # The share of the host parameters, from the head down in the backward's order, whose
-    # update a guessing step may start during the backward; the rest are updated after it,
-    # beside the next forward. Below 1 caps the guesses: fewer to undo when a step clips.
+    # update a speculating step may start during the backward; the rest are updated after
+    # it, beside the next forward. Below 1 speculates less: less to undo when a step clips.
     speculate_share: float = 1.0
     # Layer weight gradients D2H and on the host: auto (bfloat16 where they are bf16 values:
     # bf16 compute, one micro-batch, one device; else float32), float32, or bfloat16 (also

@@ -56,7 +56,7 @@ class Planned:
     step_s: float  # what the planner minimizes: the mean of the two bounds below, at the
     # rates and at a slower host (SLOWER_HOST)
     clipping_s: float  # a step that clips: the update after the backward
-    guessing_s: float  # a step that does not: the best share of it during the backward
+    speculating_s: float  # a step that does not: the best share of it during the backward
     limited_by: str  # the largest cost of the step that clips
     device: dict  # each GPU's bytes by component
     host_total: int  # the host's bytes, state and overhead
@@ -82,9 +82,9 @@ def plan_placement(cfg: Config, gpu: int | None, host: int | None, devices: int,
     order = np.lexsort(tuple(-grid[key][tied] for key in reversed(_TIE_ORDER)))
     k = tied[order[0]]
     plan = _plan_at(grid, k)
-    clipping, guessing = _bounds(cfg, plan, rates, devices)  # the chosen one's, as reported
+    clipping, speculating = _bounds(cfg, plan, rates, devices)  # the chosen one's, as reported
     limited = roofline.bound_of(cfg, plan, rates, devices)["limited_by"]
-    return Planned(plan, float(objective[k]), float(clipping), float(guessing), limited,
+    return Planned(plan, float(objective[k]), float(clipping), float(speculating), limited,
                    memory.device_bytes(cfg, plan, devices),
                    int(grid["host_total"][k]), gpu)
 
@@ -292,13 +292,13 @@ def _pinned_weights(cfg: Config, twice):
 def _bounds(cfg: Config, grid: dict, rates: roofline.Rates, devices: int):
     """(bound of a step that clips, bound of one that does not) of every candidate."""
     clipping = roofline.bound_of(cfg, grid, rates, devices, 0.0)["step_s"]
-    guess = (cfg.stream.speculate != "off" and roofline.can_guess(cfg)
+    speculates = (cfg.stream.speculate != "off" and roofline.can_speculate(cfg)
              and rates.overlapped_update)
-    if not guess:
+    if not speculates:
         return clipping, clipping
     shares = roofline.SHARES[roofline.SHARES <= cfg.stream.speculate_share + 1e-9][:, None]
-    guessing = roofline.bound_of(cfg, grid, rates, devices, shares)["step_s"].min(axis=0)
-    return clipping, guessing if isinstance(grid, dict) else float(guessing[0])
+    speculating = roofline.bound_of(cfg, grid, rates, devices, shares)["step_s"].min(axis=0)
+    return clipping, speculating if isinstance(grid, dict) else float(speculating[0])
 
 
 def _refusal(cfg: Config, grid: dict, gpu: int | None, host: int | None) -> str:

@@ -16,7 +16,7 @@ update, and the next forward needs each layer's update, so a step is at best
   + backward = max(layers' backward compute, one weight pass H2D (but the layers that keep
                    the forward's: stream.keep_weights), gradients D2H,
                    host memory traffic of that weight pass and the gradients,
-                   the guessed share of the optimizer slowed by both transfers beside it)
+                   the speculative share of the optimizer slowed by both transfers beside it)
 
 The head term is serial whatever the schedule: the head computes on the last layer's output
 with its own updated weights, so it follows the last part's update, and the backward starts
@@ -116,7 +116,7 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     that the update reads there (`gradient_bytes(cfg)`: 2 for bf16 layer gradients).
     `update_bytes`: host memory bytes per parameter of the host update (`update_bytes(cfg)`;
     None: fp32 moments, HOST_UPDATE_BYTES with the gradients at `grad_bytes`).
-    `speculate`: the share of the update that runs beside the backward (a step whose guesses
+    `speculate`: the share of the update that runs beside the backward (a step whose speculative
     stand, stream.speculate; True: all of it): that share's time and bytes move from the
     forward to the backward, and the next forward still waits for one part's update after it.
     It may be an array of shares: every term is then an array, one element a share.
@@ -217,17 +217,17 @@ def host_params(cfg) -> int:
 
 def bound_for(cfg, rates: Rates, devices: int | None = None) -> dict:
     """`bound` of the step a resolved cfg trains (its placement: `memory.plan_of`) over
-    `devices` GPUs (None: the run's), and, where it guesses (stream.speculate on or auto), a
-    step whose guesses stand. The guesses not started by the backward's end are dropped and
-    done after it, so such a step takes the best share of the update beside the backward, up
-    to stream.speculate_share."""
+    `devices` GPUs (None: the run's), and, where it speculates (stream.speculate on or auto), a
+    step whose speculative update stands. The parts not started by the backward's end are
+    done after it, so such a step takes the best share of the update beside the backward,
+    up to stream.speculate_share."""
     devices = planned_devices(cfg) if devices is None else devices
-    guess = cfg.stream.speculate != "off" and can_guess(cfg)
-    share = best_speculate_share(cfg, rates, devices)[0] if guess else 0.0
+    speculates = cfg.stream.speculate != "off" and can_speculate(cfg)
+    share = best_speculate_share(cfg, rates, devices)[0] if speculates else 0.0
     return bound_of(cfg, plan_of(cfg), rates, devices, share)
 
 
-def can_guess(cfg) -> bool:
+def can_speculate(cfg) -> bool:
     """Whether cfg's update can run during the backward (with stream.speculate on or auto):
     the host kernel with fp32 moments (a rounded moment cannot be undone)."""
     return host_update(cfg) and cfg.optim.state_dtype == "float32"
@@ -236,7 +236,7 @@ def can_guess(cfg) -> bool:
 def best_speculate_share(cfg, rates: Rates, devices: int | None = None) -> tuple[float, float]:
     """(share, bound seconds): the smallest share of the update beside the backward, in
     steps of 0.05 up to stream.speculate_share, whose bound is the shortest (a step whose
-    guesses stand); 0 where guessing does not pay. The bound is flat from where the
+    speculative update stands); 0 where speculating does not pay. The bound is flat from where the
     backward's host memory is full to where the forward's is no longer the limit."""
     devices = planned_devices(cfg) if devices is None else devices
     shares = SHARES[SHARES <= cfg.stream.speculate_share + 1e-9]

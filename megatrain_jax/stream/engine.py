@@ -223,23 +223,24 @@ class StreamEngine:
         if self.host_optimizer is not None and state.step and state.step % RENEW_EVERY == 0:
             state = self._renew(state, before_write)
         if self.host_optimizer is not None:
-            guess = self.host_optimizer.can_undo and policy(self.speculate, self.clip_norm,
-                                                            state.last_grad_norm)
-            update = StepUpdate(self.host_optimizer, self.clip_norm, guess, tracer, before_write)
-            on_gradient = self._guesser(state, update) if guess else None
+            speculating = self.host_optimizer.can_undo and policy(
+                self.speculate, self.clip_norm, state.last_grad_norm)
+            update = StepUpdate(self.host_optimizer, self.clip_norm, speculating, tracer,
+                                before_write)
+            on_gradient = self._speculator(state, update) if speculating else None
         loss, grads, sq, skip, scale = self.forward_backward(state._params, batch,
                                                              state.pending, tracer, on_gradient)
         state.wait()
         metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq), "skipped": skip}
-        if update is not None:  # whether this step's own update ran during its backward
-            metrics["guessing"] = float(update.speculate)
+        if update is not None:  # whether this step's own update speculates (begins during
+            metrics["speculating"] = float(update.speculate)  # its backward)
         if self.learning_rate is not None:
             metrics["lr"] = self.learning_rate(state.step)
         timings = {}
         if state.pending is not None:  # the update that overlapped this step's forward
             timings["update_s"] = state.pending.seconds
             metrics["speculated_parts"] = len(state.pending.speculated)
-            metrics["rolled_back_parts"] = state.pending.rolled_back
+            metrics["undone_parts"] = state.pending.undone
             if state.pending.tracer is not tracer:
                 for name, begin, end in state.pending.spans:
                     tracer.span("host update", f"{name} (last step's)", begin, end)
@@ -269,32 +270,32 @@ class StreamEngine:
                              for k, part in enumerate(parts(state._params))])
         return StreamState(params, state._opt_state, state.step, None, state.last_grad_norm)
 
-    def _guesser(self, state: StreamState, update: StepUpdate) -> Callable:
+    def _speculator(self, state: StreamState, update: StepUpdate) -> Callable:
         """The schedule's on_gradient: hands the gradients of the host parts within the
-        guessed share to the update."""
+        speculative share to the update."""
         names = part_names(len(state._params["layers"]))
         params, opt_state = parts(state._params), parts(state._opt_state)
-        guessed = self.guessed_parts(params)
+        speculative = self.speculative_parts(params)
 
         def on_gradient(k, grads, seen_sq):
-            if k in guessed:
+            if k in speculative:
                 update.gradient_ready(names[k], params[k], grads, opt_state[k], seen_sq)
 
         return on_gradient
 
-    def guessed_parts(self, params: list) -> set[int]:
-        """Indices of the host parts a guessing step may update during the backward: from
+    def speculative_parts(self, params: list) -> set[int]:
+        """Indices of the host parts a speculating step may update during the backward: from
         the head down, in the order their gradients arrive, while their parameters stay
         within `speculate_share` of the host's."""
         size = [sum(leaf.size for leaf in jax.tree.leaves(part)) for part in params]
         host = [k for k in range(len(params)) if not self.placement.is_resident(k)]
-        room, guessed = self.speculate_share * sum(size[k] for k in host), set()
+        room, speculative = self.speculate_share * sum(size[k] for k in host), set()
         for k in sorted(host, reverse=True):  # head, last layer, ..., embedding
             if size[k] > room * (1 + 1e-9):
                 break
             room -= size[k]
-            guessed.add(k)
-        return guessed
+            speculative.add(k)
+        return speculative
 
     def _host_update(self, state, grads, skipped: bool, scale, skip, update: StepUpdate,
                      tracer) -> StreamState:

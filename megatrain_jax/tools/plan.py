@@ -248,7 +248,12 @@ def check_fits(cfg: Config, host: int | None = None, gpu: int | None = None) -> 
 
 
 def _fits(cfg: Config, host: int | None, gpu: int | None) -> bool:
-    return estimate(cfg, gpu, host)["refused"] is None
+    """estimate's verdict, without the closest placement a refusal then computes."""
+    try:
+        resolved(cfg, gpu, host)
+    except ConfigError:
+        return False
+    return True
 
 
 PLACEMENT_KEYS = ("resident_layers", "resident_embeddings", "keep_layers", "keep_attention",
@@ -314,10 +319,18 @@ def largest_fitting(cfg: Config, host: int | None, gpu: int | None):
     for name, path in shipped_configs().items():
         shape = load_config(str(path)).model
         candidate = dataclasses.replace(cfg, model=shape)  # placed anew for this shape
-        if (best is None or shape.num_params > best[1].model.num_params) and \
-                _fits(candidate, host, gpu):
+        larger = best is None or shape.num_params > best[1].model.num_params
+        if larger and not _state_overflows(candidate, host, gpu) and _fits(candidate, host, gpu):
             best = (name, candidate)
     return best
+
+
+def _state_overflows(cfg: Config, host: int | None, gpu: int | None) -> bool:
+    """Whether a streamed run's weights and optimizer state alone exceed the host and the
+    GPUs together: no placement fits, and the planner need not be asked."""
+    if cfg.loop.trainer != "stream" or host is None or gpu is None:
+        return False
+    return checkpoint_bytes(cfg) > planned_devices(cfg) * (host + gpu)
 
 
 def set_pool_env(cfg: Config, measuring: bool = False) -> None:

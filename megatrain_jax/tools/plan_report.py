@@ -154,11 +154,11 @@ def _print_budgets(given, host, total_gpu, rates, budgets: str) -> None:
             continue
         run, n = est["config"], est["devices"]
         placement, tokens = memory.plan_of(run), run.data.tokens_per_step
-        guess = presets.expected_seconds(roofline.bound_for(run, rates, n), machine)
+        no_clip = presets.expected_seconds(roofline.bound_for(run, rates, n), machine)
         clip = presets.expected_seconds(roofline.bound_of(run, placement, rates, n), machine)
         print(f"  {budget:6g}  {placement.resident_layers:8d}  {placement.saving_layers:6d}  "
               f"{placement.weight_layers:7d}  {placement.host_inputs:14d}  "
-              f"{tokens / guess:>12,.0f} / {tokens / clip:<11,.0f}")
+              f"{tokens / no_clip:>12,.0f} / {tokens / clip:<11,.0f}")
 
 
 def _budget_list(text: str) -> list[float]:

@@ -67,11 +67,12 @@ def summarize(metrics: list[dict], timeline: dict | None) -> list[str]:
                  if k in timed[-1]}
         lines.append("step split (median s): " + ", ".join(f"{k} {v:.3f}"
                                                           for k, v in split.items()))
-    guessed = [r for r in metrics if r.get("speculated_parts")]
-    if guessed:  # the host update during the backward (stream.speculate)
-        lines.append(f"update during the backward: {len(guessed)} of {len(metrics)} logged "
-                     f"steps guessed {sum(r['speculated_parts'] for r in guessed):.0f} parts, "
-                     f"{sum(r.get('rolled_back_parts', 0) for r in guessed):.0f} undone")
+    speculated = [r for r in metrics if r.get("speculated_parts")]
+    if speculated:  # the host update during the backward (stream.speculate)
+        lines.append(f"speculative update: {len(speculated)} of {len(metrics)} logged steps "
+                     f"updated {sum(r['speculated_parts'] for r in speculated):.0f} parts "
+                     f"early (during their backward), "
+                     f"{sum(r.get('undone_parts', 0) for r in speculated):.0f} undone")
     if timeline:
         lines.append(timeline_verdict(timeline))
     return lines

@@ -25,7 +25,6 @@ processes the first decides the stop after each step for all (stop.py's AgreedSt
 from __future__ import annotations
 
 import signal
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,10 +68,17 @@ class _Tally:
     streak: int = 0  # skipped steps in a row
     history: list = field(default_factory=list)  # this attempt's metric records
     timer: float = field(default_factory=time.perf_counter)  # since the last record
+    # The steps after this attempt's first (which compiles), and their wall time: the run's
+    # speed in the summary.
+    timed_steps: int = 0
+    timed_s: float = 0.0
 
 
 def train(cfg: Config, log=None, on_start=None, stop=None) -> dict:
     """Runs `cfg.loop.steps` steps; returns a summary (first and last loss, tokens/s, ...).
+    Its `tokens_per_s` is the run's: the tokens of its `timed_steps` (every step of this
+    attempt after its first, which compiles) over their wall time `timed_s` (evaluations
+    left out); with one step only, that step's.
 
     Data, checkpoints and disk are checked, and the state restored or built, before RUN_DIR
     is created or its config.json replaced; `on_start(first_step)` is called then. `stop`
@@ -130,10 +136,12 @@ def _train(cfg: Config, lock: RunLock, log, on_start, stop) -> dict:
     if cfg.loop.export_dir:
         export_final(state.params, cfg, checkpoint_folder(cfg))
     history = tally.history
-    steady = history[1:] or history  # the first record includes compilation
+    if not tally.timed_steps:  # one step: its own time, compilation included
+        tally.timed_steps, tally.timed_s = 1, history[0]["step_seconds"]
     return {
         "first_loss": _first_loss(run_dir, history), "last_loss": history[-1]["loss"],
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "tokens_per_s": tally.timed_steps * cfg.data.tokens_per_step / tally.timed_s,
+        "timed_steps": tally.timed_steps, "timed_s": tally.timed_s,
         "skipped_steps": tally.skipped, "run_dir": str(run_dir), "state": state,
     }
 
@@ -247,6 +255,9 @@ def _record(cfg: Config, out: Outputs, metrics: dict, done: int, tally: _Tally) 
     seconds = time.perf_counter() - tally.timer  # the read above waited for the step
     steps_done = done - (tally.history[-1]["step"] if tally.history else tally.start)
     tokens_per_s = steps_done * cfg.data.tokens_per_step / seconds
+    if tally.history:  # not the attempt's first step, which compiles
+        tally.timed_steps += steps_done
+        tally.timed_s += seconds
     record.update(step=done, skipped_steps=tally.skipped, step_seconds=seconds / steps_done,
                   tokens_per_s=tokens_per_s, **memory_record())
     peak = tally.peak

@@ -58,9 +58,10 @@ class Outputs:
         if record["mfu"] is not None:
             shown["mfu"] = record["mfu"]
         if self.cfg.stream.speculate != "off" and "speculated_parts" in record:
-            # of the host update that overlapped this step: parts guessed, and undone
-            shown["guessed"] = f"{record['speculated_parts']:.0f}"
-            shown["undone"] = f"{record['rolled_back_parts']:.0f}"
+            # the speculative update that finished beside this step: the parts it updated
+            # during their backward ("early"), and those undone because the step clipped
+            shown["early update"] = (f"{record['speculated_parts']:.0f} parts, "
+                                     f"{record['undone_parts']:.0f} undone")
         self.bar.update(step, shown)
         if self.log:
             self.log(record)

@@ -224,7 +224,7 @@ def test_moments_change_form_on_resume_when_accepted(tmp_path, stored, wanted):
 
 
 def test_what_compact_moments_cannot_do_is_refused():
-    with pytest.raises(ConfigError, match="adamw or adam"):
+    with pytest.raises(ConfigError, match="adamw, adam or muon"):
         tiny("optim.state_dtype=int8", "optim.name=lion")
     with pytest.raises(ConfigError, match="speculate"):
         tiny("optim.state_dtype=bfloat16", "stream.speculate=on")

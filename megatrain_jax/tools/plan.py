@@ -183,21 +183,14 @@ def pinned_pool_bytes(cfg: Config, measuring: bool = False) -> int:
 
     XLA gives each GPU its own pinned host allocator, capped at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
     (`pool_limit_gib`); each grows its regions by doubling up to the cap, and pinned memory
-    is resident once allocated: the process holds about every cap once the state fills most
-    of them. A tight cap is host memory kept for everything else."""
-    return planned_devices(cfg) * _pool_bytes(cfg, pinned_bytes(cfg), measuring)
+    is resident once allocated: the process holds about every cap once the state fills most."""
+    return planned_devices(cfg) * pool_limit_gib(cfg, pinned_bytes(cfg), measuring) * GiB
 
 
 def pinned_bytes(cfg: Config) -> int:
     """Bytes of the host state the pool holds (PINNED: weights, optimizer state, gradients,
     saved inputs on the host) for a resolved cfg."""
     return estimate(cfg)["pool_state"]
-
-
-def _pool_bytes(cfg: Config, pinned: int, measuring: bool = False) -> int:
-    """One GPU's allocator: its share of the state, the margin, and the measurement's room."""
-    extra = measurement_bytes(cfg) if measuring else 0
-    return memory.pool_gib(cfg, pinned, planned_devices(cfg), extra) * GiB
 
 
 def pool_limit_gib(cfg: Config, pinned: int, measuring: bool = False) -> int:

@@ -20,6 +20,7 @@ import optax
 import pytest
 from conftest import max_rel_error
 from flax import nnx
+from nnx_list_model import ListModel, summed_loss
 
 from megatrain_jax import streaming
 from megatrain_jax.io.checkpoint import Checkpointer
@@ -222,7 +223,7 @@ def _linen_loss(params, batch, step):
         x = nn.LayerNorm().apply({"params": params["ln_f"]}, x)
         logits = nn.Embed(VOCAB, DIM).apply({"params": params["embed"]["wte"]}, x,
                                             method="attend")
-        total = total + _summed_loss(logits, part)
+        total = total + summed_loss(logits, part)
     return total / jnp.sum(batch["mask"])
 
 
@@ -260,39 +261,7 @@ def test_linen_tied_head_dropout_mask_pytree_and_mean_loss_train_like_jax_grad(l
 # ----- refused, naming the entry point, the argument and the fix ----------------------
 
 
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.linear = nnx.Linear(DIM, DIM, rngs=rngs)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.linear(x))
-
-
-class ListModel(nnx.Module):
-    """Token embedding, a list of blocks, a head; `positions` adds learned positions the
-    way GPTs do: a sibling of the token embedding, added to it in __call__."""
-
-    def __init__(self, rngs, positions=False):
-        self.wte = nnx.Embed(VOCAB, DIM, rngs=rngs)
-        self.wpe = nnx.Embed(SEQ, DIM, rngs=rngs) if positions else None
-        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
-        self.head = nnx.Linear(DIM, VOCAB, rngs=rngs)
-
-    def __call__(self, tokens):
-        x = self.wte(tokens)
-        if self.wpe is not None:
-            x = x + self.wpe(jnp.arange(tokens.shape[-1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def _summed_loss(logits, batch):
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.sum(ce * batch["mask"])
-
-
-def _nnx_step(model=None, optimizer=None, loss=_summed_loss, **options):
+def _nnx_step(model=None, optimizer=None, loss=summed_loss, **options):
     return streaming.from_nnx_model(model or ListModel(nnx.Rngs(0)), loss,
                                     optimizer or optax.adamw(1e-3), **{"embed": "wte", **options})
 
@@ -357,7 +326,7 @@ def test_linen_pairs_unlike_the_model_are_refused_naming_the_piece(linen_run):
 
     def step(epsilon):
         return streaming.from_linen_model(
-            linen_run["model"], linen_run["variables"], _summed_loss, optax.sgd(0.1),
+            linen_run["model"], linen_run["variables"], summed_loss, optax.sgd(0.1),
             blocks=("blocks", LinenBlock(DIM)),
             head=[("ln_f", nn.LayerNorm(epsilon)), "embed.wte.attend"], rng_seed=0,
             example_batch=batch)
@@ -374,5 +343,5 @@ def test_a_mistyped_keyword_names_the_entry_point():
         _nnx_step(clipnorm=1.0)
     with pytest.raises(TypeError, match=r"from_linen_model\(\) got an unexpected keyword "
                        r"argument 'rng_sead' \(did you mean 'rng_seed'\?\)"):
-        streaming.from_linen_model(LinenGPT(), {"params": {}}, _summed_loss,
+        streaming.from_linen_model(LinenGPT(), {"params": {}}, summed_loss,
                                    optax.sgd(0.1), rng_sead=0)

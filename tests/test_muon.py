@@ -23,6 +23,7 @@ import optax
 import pytest
 from conftest import max_rel_error, side_by_side, tiny
 from flax import nnx
+from nnx_list_model import ListModel, summed_loss
 
 from megatrain_jax import model, optim, streaming
 from megatrain_jax.config import ConfigError
@@ -245,32 +246,6 @@ def test_settings_muon_cannot_run_are_refused_with_the_fix(overrides, message):
 VOCAB, DIM, SEQ, CLIP = 64, 16, 8, 0.63
 
 
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.linear = nnx.Linear(DIM, DIM, rngs=rngs)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.linear(x))
-
-
-class ListModel(nnx.Module):
-    def __init__(self, rngs):
-        self.wte = nnx.Embed(VOCAB, DIM, rngs=rngs)
-        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
-        self.head = nnx.Linear(DIM, VOCAB, rngs=rngs)
-
-    def __call__(self, tokens):
-        x = self.wte(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def _summed_loss(logits, batch):
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.sum(ce * batch["mask"])
-
-
 def _batches(seed=0, rows=4):
     rng = np.random.default_rng(seed)
     while True:
@@ -285,7 +260,7 @@ def test_a_flax_model_with_optax_muon_trains_like_jax_grad():
     model, batches = ListModel(nnx.Rngs(0)), list(islice(_batches(), STEPS))
     muon = optax.contrib.muon(0.01)
     graphdef, params = nnx.split(model, nnx.Param)
-    step = streaming.from_nnx_model(model, _summed_loss, muon, embed="wte", clip_norm=CLIP)
+    step = streaming.from_nnx_model(model, summed_loss, muon, embed="wte", clip_norm=CLIP)
     state, history = step.init_state(), []
     for batch in batches:
         state, metrics = step.train_step(state, batch)
@@ -293,7 +268,7 @@ def test_a_flax_model_with_optax_muon_trains_like_jax_grad():
 
     def loss_of(p, batch):
         logits = nnx.merge(graphdef, p)(batch["inputs"])
-        return _summed_loss(logits, batch) / jnp.sum(batch["mask"])
+        return summed_loss(logits, batch) / jnp.sum(batch["mask"])
 
     chain = optax.chain(optax.clip_by_global_norm(CLIP), muon)
 

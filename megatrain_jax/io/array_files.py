@@ -1,7 +1,7 @@
 """One array in one file: written from its buffer in chunks, checksummed, read back checked.
 
     data = host_bytes(array)                    # a view of a host buffer, else a host copy
-    data = in_hand(host_pieces(array, deferred=True))   # device arrays copied only here
+    data = in_hand(host_pieces(array))          # the same, a device array copied only here
     checksum = write_array(path, data, dtype)   # raises NonFinite before writing inf or NaN
     read_array(path, nbytes, dtype, checksum, into=None)   # raises Damaged with the reason
 
@@ -51,20 +51,21 @@ def host_bytes(array) -> np.ndarray:
     """The bytes of a JAX array as a flat uint8 NumPy array: a view of the buffer itself when
     it sits in host memory in row-major order (the caller keeps `array` alive and unwritten
     while it reads), else a host copy (`DeviceRead`)."""
-    view = _host_view(array)
-    return view if view is not None else DeviceRead(array)()
+    return in_hand([readable(array)])[0]
+
+
+def _in_host_memory(array) -> bool:
+    return array.sharding.memory_kind != next(iter(array.devices())).default_memory().kind
 
 
 def _host_view(array) -> np.ndarray | None:
     """A read-only view of a host-memory, row-major array's buffer; None for any other."""
-    device = next(iter(array.devices()))
     layout = getattr(getattr(array, "format", None), "layout", None)
     major_to_minor = getattr(layout, "major_to_minor", None)
     row_major = major_to_minor is None or tuple(major_to_minor) == tuple(range(array.ndim))
-    in_host_memory = array.sharding.memory_kind != device.default_memory().kind
     nbytes = int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
     array.block_until_ready()
-    if not (in_host_memory and row_major and nbytes):
+    if not (_in_host_memory(array) and row_major and nbytes):
         return None
     raw = (ctypes.c_uint8 * nbytes).from_address(array.unsafe_buffer_pointer())
     view = np.ctypeslib.as_array(raw)
@@ -87,6 +88,9 @@ class DeviceRead:
         array, self.array = self.array, None
         host = mapped_empty(array.shape, array.dtype)
         if array.size == 0:
+            return byte_view(host)
+        if _in_host_memory(array):  # a host buffer in another layout: NumPy reorders it
+            host[...] = np.asarray(array)
             return byte_view(host)
         if array.ndim == 0:
             host.reshape(1)[...] = np.asarray(_slicer(1)(array.reshape(1), 0))
@@ -118,22 +122,21 @@ def readable(array) -> np.ndarray | DeviceRead:
     return view if view is not None else DeviceRead(array)
 
 
-def host_pieces(array, deferred: bool = False) -> list:
+def host_pieces(array) -> list:
     """The bytes of a JAX array, whole and in row-major order, as flat uint8 pieces: one, or
-    one per shard of an array split over devices along its first dimension (each a view as
-    `host_bytes` makes it, or with `deferred` as `readable` does). A copy of a device being the
-    same as another's, it is read once."""
-    read = readable if deferred else host_bytes
+    one per shard of an array split over devices along its first dimension (each as
+    `readable` gives it: `in_hand` reads the deferred ones). A copy of a device being the same
+    as another's, it is read once."""
     if not array.is_fully_addressable:
         raise ValueError("an array with shards in other processes cannot be written by one")
     shards = {}
     for shard in array.addressable_shards:
         shards.setdefault(tuple((s.start or 0) for s in shard.index), shard.data)
     if len(shards) == 1:
-        return [read(next(iter(shards.values())))]
+        return [readable(next(iter(shards.values())))]
     if all(data.shape[1:] == array.shape[1:] and data.nbytes % 8 == 0  # checksum words
            for data in shards.values()):
-        return [read(shards[start]) for start in sorted(shards)]
+        return [readable(shards[start]) for start in sorted(shards)]
     return [byte_view(np.ascontiguousarray(np.asarray(array)))]
 
 

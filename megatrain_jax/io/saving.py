@@ -57,7 +57,7 @@ def sources(tree, whole: bool) -> list[dict]:
         dtype = np.dtype(array.dtype)
         if whole:
             held = [(shards.whole(array.shape), f"{name}.bin",
-                     array_files.host_pieces(array, deferred=True), dtype)]
+                     array_files.host_pieces(array), dtype)]
         else:
             held = []
             for shard in array.addressable_shards:

@@ -82,7 +82,7 @@ def plan_placement(cfg: Config, gpu: int | None, host: int | None, devices: int,
     order = np.lexsort(tuple(-grid[key][tied] for key in reversed(_TIE_ORDER)))
     k = tied[order[0]]
     plan = _plan_at(grid, k)
-    clipping, speculating = _bounds(cfg, plan, rates, devices)  # the chosen one's, as reported
+    clipping, speculating, _ = _bounds(cfg, plan, rates, devices)  # the chosen one's
     limited = roofline.bound_of(cfg, plan, rates, devices)["limited_by"]
     return Planned(plan, float(objective[k]), float(clipping), float(speculating), limited,
                    memory.device_bytes(cfg, plan, devices),
@@ -97,10 +97,11 @@ def score(cfg: Config, placement, rates: roofline.Rates, devices: int):
     that where bounds tie, the placement that leaves more of the state on the GPU wins."""
     slow = dataclasses.replace(rates, host_memory_gbps=rates.host_memory_gbps * SLOWER_HOST,
                                optimizer_gparams=rates.optimizer_gparams * SLOWER_HOST)
-    bounds = (sum(_bounds(cfg, placement, rates, devices))
-              + sum(_bounds(cfg, placement, slow, devices))) / 4
-    terms = roofline.bound_of(cfg, placement, rates, devices)
-    return presets.expected_seconds({**terms, "step_s": bounds}, presets.MEASURED)
+    clipping, speculating, host_update = _bounds(cfg, placement, rates, devices)
+    slow_clipping, slow_speculating, _ = _bounds(cfg, placement, slow, devices)
+    bounds = (clipping + speculating + slow_clipping + slow_speculating) / 4
+    return presets.expected_seconds({"step_s": bounds, "host_update_s": host_update},
+                                    presets.MEASURED)
 
 
 def _keeps_pins(cfg: Config, grid: dict):
@@ -290,15 +291,18 @@ def _pinned_weights(cfg: Config, twice):
 
 
 def _bounds(cfg: Config, grid: dict, rates: roofline.Rates, devices: int):
-    """(bound of a step that clips, bound of one that does not) of every candidate."""
-    clipping = roofline.bound_of(cfg, grid, rates, devices, 0.0)["step_s"]
+    """(bound of a step that clips, bound of one that does not, the host update's seconds) of
+    every candidate, from one evaluation over the shares of the update a step may run during
+    its backward (the first share, 0, is the step that clips)."""
     speculates = (cfg.stream.speculate != "off" and roofline.can_speculate(cfg)
-             and rates.overlapped_update)
-    if not speculates:
-        return clipping, clipping
-    shares = roofline.SHARES[roofline.SHARES <= cfg.stream.speculate_share + 1e-9][:, None]
-    speculating = roofline.bound_of(cfg, grid, rates, devices, shares)["step_s"].min(axis=0)
-    return clipping, speculating if isinstance(grid, dict) else float(speculating[0])
+                  and rates.overlapped_update)
+    shares = roofline.SHARES[roofline.SHARES <= cfg.stream.speculate_share + 1e-9] \
+        if speculates else roofline.SHARES[:1]
+    terms = roofline.bound_of(cfg, grid, rates, devices, shares[:, None])
+    clipping, speculating = terms["step_s"][0], terms["step_s"].min(axis=0)
+    if not isinstance(grid, dict):
+        clipping, speculating = float(clipping[0]), float(speculating[0])
+    return clipping, speculating, terms["host_update_s"]
 
 
 def _refusal(cfg: Config, grid: dict, gpu: int | None, host: int | None) -> str:

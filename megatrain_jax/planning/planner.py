@@ -38,7 +38,7 @@ import numpy as np
 from megatrain_jax.config import HOST_OPTIMIZERS, Config, ConfigError, auto, memory
 from megatrain_jax.config.memory import HEADROOM, PlacementPlan
 from megatrain_jax.config.schema import pinned
-from megatrain_jax.io import checkpoint
+from megatrain_jax.io import array_files, checkpoint
 from megatrain_jax.planning import presets, roofline
 
 GiB = 2**30
@@ -129,12 +129,13 @@ def host_total(cfg: Config, plan: PlacementPlan, devices: int):
 def checkpoint_copy_bytes(cfg: Config, plan: PlacementPlan):
     """Host bytes a checkpoint's save holds at once of the state in GPU memory under `plan`:
     each of its threads (io/checkpoint.py) copies one array to the host, writes it and lets
-    it go (io/array_files.DeviceRead), so at most that many of the largest resident arrays:
-    the embedding or the head where they are resident, else a layer's widest matrix."""
+    it go (io/array_files.DeviceRead), so at most that many of the largest resident arrays
+    (the embedding or the head where they are resident, else a layer's widest matrix), and
+    each its chunk buffer."""
     m = cfg.model
     widest = np.where(plan.resident_layers > 0, 4 * m.hidden * max(m.ffn, m.hidden), 0)
     largest = np.maximum(widest, plan.resident_embeddings * 4 * m.vocab_size * m.hidden)
-    held = checkpoint.THREADS * largest
+    held = checkpoint.THREADS * (largest + array_files.CHUNK)
     return int(held) if np.ndim(held) == 0 else memory.whole(held)
 
 

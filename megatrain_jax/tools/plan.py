@@ -27,7 +27,7 @@ from megatrain_jax.config import (
     shipped_configs,
 )
 from megatrain_jax.config.memory import replaced, state_bytes
-from megatrain_jax.io import array_files, checkpoint
+from megatrain_jax.io import checkpoint
 from megatrain_jax.planning import device_update, planner, presets
 from megatrain_jax.planning.roofline import (  # no JAX
     Rates,
@@ -107,8 +107,7 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
         host = {}
         if cfg.loop.checkpoint_every:
             whole_model = memory.PlacementPlan(m.layers, True)  # every array on the GPU
-            host["checkpoint_copies"] = (planner.checkpoint_copy_bytes(cfg, whole_model)
-                                         + checkpoint.THREADS * array_files.CHUNK)
+            host["checkpoint_copies"] = planner.checkpoint_copy_bytes(cfg, whole_model)
         return {"host": host, "device": device, "host_total": sum(host.values()),
                 "device_total": sum(device.values()), "devices": n, "pool_state": 0,
                 "config": cfg, "refused": None}
@@ -128,8 +127,7 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
         del overhead["replicas"]
     host.update(overhead)
     if cfg.loop.checkpoint_every:
-        host["checkpoint_copies"] = (planner.checkpoint_copy_bytes(run, plan)
-                                     + checkpoint.THREADS * array_files.CHUNK)
+        host["checkpoint_copies"] = planner.checkpoint_copy_bytes(run, plan)
     host, device = ({k: int(v) for k, v in d.items()} for d in (host, device))
     return {"host": host, "device": device, "host_total": sum(host.values()),
             "device_total": sum(device.values()), "devices": n, "pool_state": int(pinned),

@@ -88,7 +88,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     """The optimizer. Weight decay spares norms and biases; `clip_norm=0` turns clipping off.
-    Muon's own settings are `muon` (config/muon.py)."""
+    Muon's own settings are `muon` (config/optimizers.py)."""
 
     name: str = "adamw"
     lr: float = 3e-4

@@ -346,4 +346,3 @@ class StreamEngine:
         timings["update_s"] = time.perf_counter() - updating
         tracer.phase_end("update", lambda: params)
         return StreamState(params, opt_state, state.step + 1)
-

@@ -163,7 +163,9 @@ def fixed_bytes(cfg: Config, devices: int = 1, plan: PlacementPlan | None = None
 def local_config(cfg: Config, devices: int) -> Config:
     """cfg with one GPU's rows of the batch (its 1/n where they split)."""
     rows = cfg.data.batch_size
-    return replaced(cfg, "data", batch_size=rows // devices if rows % devices == 0 else rows)
+    if devices == 1 or rows % devices:
+        return cfg
+    return replaced(cfg, "data", batch_size=rows // devices)
 
 
 def host_state_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict:

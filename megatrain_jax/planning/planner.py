@@ -256,9 +256,9 @@ def _filled(cfg: Config, r, sv, e, attention: int, gpu, n: int) -> dict:
     twice = np.maximum(0, layers - sv - r)  # the streamed layers fetched again
     budget = np.inf if gpu is None else gpu - HEADROOM
 
-    def total(host, weights):
-        plan = PlacementPlan(r, e, sv, a, weights, np.minimum(host, inputs))
-        return sum(memory.device_bytes(cfg, plan, n).values())
+    def fits(host, weights):
+        plan = PlacementPlan(r, e, sv, a, weights, host)
+        return sum(memory.device_bytes(cfg, plan, n).values()) <= budget
 
     pinned_weights = _pinned_weights(cfg, twice)
     weights = zero if pinned_weights is None else pinned_weights
@@ -266,18 +266,38 @@ def _filled(cfg: Config, r, sv, e, attention: int, gpu, n: int) -> dict:
         host = inputs
     elif s.saved_inputs == "device" or gpu is None:
         host = zero
-    else:  # the fewest on the host that fit (all of them where none does)
-        host = inputs.copy()
-        for h in range(layers, -1, -1):
-            host = np.where(total(h, weights) <= budget, np.minimum(h, inputs), host)
-    if pinned_weights is None and gpu is not None:
-        for w in range(layers + 1):  # the most that fit
-            more = np.minimum(w, twice)
-            weights = np.where(total(host, more) <= budget, more, weights)
+    else:  # the fewest on the host that fit (all of them where none does): the GPU's bytes
+        host = _least(lambda h: fits(h, weights), zero, inputs)  # fall as more wait there
+    if pinned_weights is None and gpu is not None:  # the most that fit: the bytes grow with them
+        weights = _most(lambda w: fits(host, w), zero, twice)
     plan = PlacementPlan(r, e, sv, a, weights, host)
     return {**{key: getattr(plan, key) for key in _PLAN_KEYS},
             "device_total": sum(memory.device_bytes(cfg, plan, n).values()),
             "host_total": host_total(cfg, plan, n)}
+
+
+def _least(fits, lo, hi):
+    """Element by element, the least x in [lo, hi] with fits(x), else hi, where fits is
+    monotone (false, then true, as x grows): by bisection, fits called on whole arrays."""
+    lo, hi = lo.copy(), hi.copy()
+    while (open_ := lo < hi).any():
+        mid = (lo + hi) // 2
+        ok = fits(mid)
+        hi = np.where(open_ & ok, mid, hi)
+        lo = np.where(open_ & ~ok, mid + 1, lo)
+    return lo
+
+
+def _most(fits, lo, hi):
+    """Element by element, the most x in [lo, hi] with fits(x), else lo, where fits is
+    monotone (true, then false, as x grows): by bisection, fits called on whole arrays."""
+    lo, hi = lo.copy(), hi.copy()
+    while (open_ := lo < hi).any():
+        mid = (lo + hi + 1) // 2
+        ok = fits(mid)
+        lo = np.where(open_ & ok, mid, lo)
+        hi = np.where(open_ & ~ok, mid - 1, hi)
+    return lo
 
 
 def _pinned_weights(cfg: Config, twice):

@@ -34,7 +34,8 @@ def compare() -> dict:
 
 if __name__ == "__main__":
     devices, out_file = sys.argv[1:]
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    flags = os.environ.get("XLA_FLAGS", "")  # the test session's (conftest.py), kept
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.dirname(__file__))
     with open(out_file, "w") as f:

@@ -29,18 +29,16 @@ class Visits(Tracer):
         self.fn(phase, index)
 
 
+# Each feature once; "everything" combines those whose programs it shares (tied embeddings,
+# one kv head, micro-batches, the deepest prefetch, inputs saved on the host, a loss chunk
+# that does not divide the tokens), so none of those needs a case of its own.
 CASES = {
     "depth1": ["stream.prefetch_depth=1"],
     "depth2": ["stream.prefetch_depth=2"],
-    "depth3": ["stream.prefetch_depth=3"],
     "micro4": ["data.micro_batches=4"],
-    "offloaded_inputs": ["stream.saved_inputs=pinned_host", "data.micro_batches=2"],
-    "tied": ["model.tie_embeddings=true"],
-    "gqa_kv1": ["model.kv_heads=1"],
     "mha": ["model.kv_heads=4"],
     # the sequence tiled in the layer (MLP tiles, blockwise attention), as at long lengths
     "tiled": ["stream.mlp_tile=16", "stream.attention_chunk=8", "model.attention=blockwise"],
-    # qk_norm and qkv_bias alone add nothing this case does not cover
     "everything": ["model.tie_embeddings=true", "model.qk_norm=true", "model.qkv_bias=true",
                    "model.kv_heads=1", "data.micro_batches=2", "stream.prefetch_depth=3",
                    "stream.saved_inputs=pinned_host", "stream.loss_chunk=24"],

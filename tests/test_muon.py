@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import max_rel_error, side_by_side, tiny
+from conftest import FAST_COMPILE, max_rel_error, side_by_side, tiny
 from flax import nnx
 from nnx_list_model import ListModel, summed_loss
 
@@ -53,8 +53,7 @@ def mesh_run(tmp_path_factory):
     """The 4-device run, started first: it runs in its own process beside this one's."""
     out = tmp_path_factory.mktemp("muon_mesh") / "out.json"
     env = {**os.environ, "PYTHONPATH": f"{RUNS.parent.parent}{os.pathsep}"
-           f"{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("XLA_FLAGS", None)
+           f"{os.environ.get('PYTHONPATH', '')}", "XLA_FLAGS": FAST_COMPILE}
     process = subprocess.Popen([sys.executable, str(RUNS), "4", str(out)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     yield lambda: (process.communicate(timeout=600), out)

@@ -232,7 +232,7 @@ def test_plan_measure_on_this_machine(capsys, small_samples):
     assert "step bound: " in out and re.search(r"0-2 \(3\) +resident", out)
 
 
-def test_the_link_is_timed_from_pinned_host_memory_with_resident_layers():
+def test_the_link_is_timed_from_pinned_host_memory_with_resident_layers(small_samples):
     import jax
 
     from megatrain_jax.io.data import TokenSource

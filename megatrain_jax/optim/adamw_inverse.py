@@ -24,6 +24,7 @@ update used. Kernels: numba over flat fp32 views (the host update's own layout),
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -52,6 +53,7 @@ def undo_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr, w
         vs[:] = np.maximum((vs - omb2 * (gi * gi)) / b2, np.float32(0))
 
 
+@functools.cache  # one per process: numba compiles a new closure again
 def numba_undo() -> Callable | None:
     if (tools := numba_tools()) is None:
         return None

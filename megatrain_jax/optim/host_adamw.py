@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -117,6 +118,7 @@ def _adamw_numpy(p, g, mu, nu, scale, b1, omb1, b2, omb2, eps, bc1, bc2, neg_lr,
 CHUNK = 1 << 16
 
 
+@functools.cache  # one per process: numba compiles a new closure again
 def _numba_kernel() -> Callable | None:
     if (tools := numba_tools()) is None:
         return None

@@ -16,6 +16,7 @@ bit for bit.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -38,6 +39,7 @@ TABLES = (SIGNED, np.append(SIGNED_MID, np.float32(np.inf)), SIGNED_STARTS,
 CHUNK = 16  # blocks per parallel task, sharing one scratch buffer
 
 
+@functools.cache  # one per process: numba compiles a new closure again (about 2 s)
 def numba_int8_kernel() -> Callable | None:
     if (tools := numba_tools()) is None:
         return None

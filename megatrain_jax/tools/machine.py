@@ -3,6 +3,7 @@ bandwidth, GPU bytes (peak and now), host RSS (peak and now). Read after JAX has
 
 from __future__ import annotations
 
+import functools
 import resource
 import threading
 import time
@@ -78,6 +79,22 @@ def memory_record() -> dict:
             "host_rss_bytes": host_rss_bytes(), "host_rss_now_bytes": host_rss_now_bytes()}
 
 
+@functools.cache  # one kernel per process, compiled once
+def _scale_add():
+    """The streaming kernel of memory_gbps, `a += 0.5 * b` on all cores; None without numba."""
+    try:
+        import numba
+    except ImportError:
+        return None
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def scale_add(a, b):
+        for i in numba.prange(a.size):
+            a[i] = a[i] + np.float32(0.5) * b[i]
+
+    return scale_add
+
+
 def memory_gbps(mfloats: int = 128, repeats: int = 3,
                 beside: tuple[Callable[[], object], int] | None = None,
                 window_s: float = 0.5, own: bool = False) -> float:
@@ -95,16 +112,8 @@ def memory_gbps(mfloats: int = 128, repeats: int = 3,
     7b layers to the GPU; benchmarks/RESULTS.md, 2026-11-25). With `own`, the kernel's bytes
     alone over that window: what the transfer leaves the update.
     """
-    try:
-        import numba
-    except ImportError:
+    if (scale_add := _scale_add()) is None:
         return 0.0
-
-    @numba.njit(parallel=True, nogil=True, cache=True)
-    def scale_add(a, b):
-        for i in numba.prange(a.size):
-            a[i] = a[i] + np.float32(0.5) * b[i]
-
     n = mfloats * 2**20
     a, b = np.ones(n, np.float32), np.ones(n, np.float32)
     scale_add(a, b)  # compiled, pages touched

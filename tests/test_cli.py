@@ -23,11 +23,19 @@ def _run(*args, cwd=None):
 
 
 @pytest.mark.parametrize("trainer", ["stream", "reference"])
-def test_train_tiny_end_to_end(tmp_path, trainer):
+def test_train_tiny_end_to_end(tmp_path, trainer, capsys):
+    """`megatrain-jax train tiny`: the streamed trainer in a process of its own, as a user
+    starts it; the reference trainer through the same entry point in this one."""
     run_dir = tmp_path / "run"
-    result = _run("train", "tiny", f"loop.run_dir={run_dir}", f"loop.trainer={trainer}")
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    args = ("train", "tiny", f"loop.run_dir={run_dir}", f"loop.trainer={trainer}")
+    if trainer == "stream":
+        result = _run(*args)
+        assert result.returncode == 0, result.stderr
+        out, err = result.stdout, result.stderr
+    else:
+        assert main(list(args)) == 0
+        out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
     assert summary["skipped_steps"] == 0
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
@@ -35,10 +43,10 @@ def test_train_tiny_end_to_end(tmp_path, trainer):
     for key in ("loss", "grad_norm", "lr", "tokens_per_s", "skipped_steps", "host_rss_bytes"):
         assert key in record
     assert json.loads((run_dir / "config.json").read_text())["loop"]["trainer"] == trainer
-    assert "train 3/3" in result.stderr  # plain progress lines when not on a terminal
+    assert "train 3/3" in err  # plain progress lines when not on a terminal
     if trainer == "stream":  # the state built part by part: weights, then optimizer states
-        assert "init 4/8  part head weights" in result.stderr
-        assert "init 8/8  part head optimizer state" in result.stderr
+        assert "init 4/8  part head weights" in err
+        assert "init 8/8  part head optimizer state" in err
 
 
 def test_bad_override_fails_fast_with_the_key():

@@ -4,6 +4,7 @@ what the memory estimates (memory.py), `plan` and the planner count.
     optimizer_bytes(cfg)                  # a layer's parameter: 8.0 for fp32 AdamW
     optimizer_bytes(cfg, "edges")         # the embedding's and the head's
     state_bytes(cfg, layer_params, edge_params)
+    model_state_bytes(cfg)                # the whole model's
 
 Most optimizers keep the same state for every parameter. Muon keeps one momentum for each
 layer matrix (4 bytes in fp32, 2 in bf16) and AdamW's two moments for the embedding, the
@@ -58,3 +59,10 @@ def state_bytes(cfg: Config, layer_params, edge_params):
     embedding and the head (ints, or arrays of them)."""
     total = optimizer_bytes(cfg) * layer_params + optimizer_bytes(cfg, "edges") * edge_params
     return total.astype("int64") if hasattr(total, "astype") else int(total)
+
+
+def model_state_bytes(cfg: Config) -> int:
+    """Bytes of optimizer state of the whole model: its layers' and its edges'."""
+    m = cfg.model
+    layers = m.layers * m.params_per_layer
+    return state_bytes(cfg, layers, m.num_params - layers)

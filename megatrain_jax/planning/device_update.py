@@ -25,7 +25,7 @@ which at 7b (32 layers of four 4096 x 4096 projections and three 4096 x 11008) i
 from __future__ import annotations
 
 from megatrain_jax.config import Config, layer_grad_dtype
-from megatrain_jax.config.optimizer_state import optimizer_bytes
+from megatrain_jax.config.optimizer_state import model_state_bytes
 
 # fp32 matmuls at XLA's default precision on an H100 or H200 run as TF32, at about half the
 # rate of the bf16 layer matmuls the presets measure (an estimate; bench_step measures the
@@ -58,7 +58,7 @@ def link_bytes(cfg: Config, devices: int = 1) -> tuple[float, float]:
     layers = m.layers * m.params_per_layer
     edges = m.num_params - layers
     grads = 2 if layer_grad_dtype(cfg, devices) == "bfloat16" else 4
-    state = optimizer_bytes(cfg) * layers + optimizer_bytes(cfg, "edges") * edges
+    state = model_state_bytes(cfg)
     up = (4 * m.num_params + grads * layers + 4 * edges + state) / m.num_params
     return up, (4 * m.num_params + state) / m.num_params
 

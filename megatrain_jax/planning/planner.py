@@ -315,10 +315,7 @@ def _bounds(cfg: Config, grid: dict, rates: roofline.Rates, devices: int):
     """(bound of a step that clips, bound of one that does not, the host update's seconds) of
     every candidate, from one evaluation over the shares of the update a step may run during
     its backward (the first share, 0, is the step that clips)."""
-    speculates = (cfg.stream.speculate != "off" and roofline.can_speculate(cfg)
-                  and rates.overlapped_update)
-    shares = roofline.SHARES[roofline.SHARES <= cfg.stream.speculate_share + 1e-9] \
-        if speculates else roofline.SHARES[:1]
+    shares = roofline.speculate_shares(cfg) if rates.overlapped_update else roofline.SHARES[:1]
     terms = roofline.bound_of(cfg, grid, rates, devices, shares[:, None])
     clipping, speculating = terms["step_s"][0], terms["step_s"].min(axis=0)
     if not isinstance(grid, dict):

@@ -216,30 +216,30 @@ def host_params(cfg) -> int:
 
 
 def bound_for(cfg, rates: Rates, devices: int | None = None) -> dict:
-    """`bound` of the step a resolved cfg trains (its placement: `memory.plan_of`) over
-    `devices` GPUs (None: the run's), and, where it speculates (stream.speculate on or auto), a
-    step whose speculative update stands. The parts not started by the backward's end are
-    done after it, so such a step takes the best share of the update beside the backward,
-    up to stream.speculate_share."""
+    """`bound` of a resolved cfg's step (its placement: `memory.plan_of`) over `devices` GPUs
+    (None: the run's) where its speculative update stands: the parts not started by the
+    backward's end follow it, so the step takes the best of `speculate_shares`."""
     devices = planned_devices(cfg) if devices is None else devices
-    speculates = cfg.stream.speculate != "off" and can_speculate(cfg)
-    share = best_speculate_share(cfg, rates, devices)[0] if speculates else 0.0
+    share = best_speculate_share(cfg, rates, devices)[0]
     return bound_of(cfg, plan_of(cfg), rates, devices, share)
 
 
-def can_speculate(cfg) -> bool:
-    """Whether cfg's update can run during the backward (with stream.speculate on or auto):
-    the host kernel with fp32 moments (a rounded moment cannot be undone)."""
-    return host_update(cfg) and cfg.optim.state_dtype == "float32"
+def speculate_shares(cfg) -> np.ndarray:
+    """The shares of the update a step that does not clip may run during its backward: SHARES
+    up to stream.speculate_share where it speculates (stream.speculate on or auto, the host
+    kernel with fp32 moments: a rounded moment cannot be undone), else 0 alone."""
+    speculates = (cfg.stream.speculate != "off" and host_update(cfg)
+                  and cfg.optim.state_dtype == "float32")
+    return SHARES[SHARES <= cfg.stream.speculate_share + 1e-9] if speculates else SHARES[:1]
 
 
 def best_speculate_share(cfg, rates: Rates, devices: int | None = None) -> tuple[float, float]:
-    """(share, bound seconds): the smallest share of the update beside the backward, in
-    steps of 0.05 up to stream.speculate_share, whose bound is the shortest (a step whose
-    speculative update stands); 0 where speculating does not pay. The bound is flat from where the
-    backward's host memory is full to where the forward's is no longer the limit."""
+    """(share, bound seconds): the smallest of `speculate_shares` whose bound is the shortest
+    (a step whose speculative update stands); 0 where speculating does not pay. The bound is
+    flat from where the backward's host memory is full to where the forward's is no longer
+    the limit."""
     devices = planned_devices(cfg) if devices is None else devices
-    shares = SHARES[SHARES <= cfg.stream.speculate_share + 1e-9]
+    shares = speculate_shares(cfg)
     seconds = bound_of(cfg, plan_of(cfg), rates, devices, shares)["step_s"]
     k = int(np.flatnonzero(seconds <= seconds.min() * (1 + 1e-9))[0])
     return float(shares[k]), float(seconds[k])

@@ -26,7 +26,8 @@ from megatrain_jax.config import (
     memory,
     shipped_configs,
 )
-from megatrain_jax.config.memory import replaced, state_bytes
+from megatrain_jax.config.memory import replaced
+from megatrain_jax.config.optimizer_state import model_state_bytes
 from megatrain_jax.io import checkpoint
 from megatrain_jax.planning import device_update, planner, presets
 from megatrain_jax.planning.roofline import (  # no JAX
@@ -335,9 +336,7 @@ def set_pool_env(cfg: Config, measuring: bool = False) -> None:
 def checkpoint_bytes(cfg: Config) -> int:
     """Bytes of one checkpoint: the fp32 weights and the optimizer state (as stored) of
     every parameter."""
-    m = cfg.model
-    layers = m.layers * m.params_per_layer
-    return 4 * m.num_params + state_bytes(cfg, layers, m.num_params - layers)
+    return 4 * cfg.model.num_params + model_state_bytes(cfg)
 
 
 def checkpoint_disk(cfg: Config) -> dict:

@@ -18,14 +18,6 @@ from megatrain_jax.stream import StreamEngine
 from megatrain_jax.train import trainers
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_streamed_with_saving_layers_matches_reference_with_clipping(micro_batches):
-    cfg = tiny("model.layers=3", "data.batch_size=4", f"data.micro_batches={micro_batches}",
-               "optim.lr=1e-2", "optim.clip_norm=1.5", "stream.keep_layers=2")
-    stream, _ = agrees_with_reference_while_clipping(cfg, 6)
-    assert stream.engine.schedule.keep_layers == 2
-
-
 def _forward_backward(cfg, params, keep_layers: int):
     engine = StreamEngine(trainers.llama_templates(cfg), optim.build_stream_optimizer(cfg),
                           keep_layers=keep_layers)
@@ -113,13 +105,16 @@ def test_saving_layers_take_the_place_of_saved_inputs_in_the_plan():
     assert base["saved_inputs"] == 32 * memory.saved_per_layer(cfg)
 
 
-def test_kept_attention_goes_to_the_layers_before_the_saving_ones(monkeypatch):
-    """Saving layers keep more than the attention, so with both the attention is kept by the
-    layers just before them: the plan counts those, and the step equals the reference."""
-    on = tiny("model.layers=3", "data.batch_size=2", "optim.lr=1e-2", "optim.clip_norm=1.3",
-              "model.attention=blockwise", "stream.attention_chunk=16",
-              "stream.keep_attention=on", "stream.keep_layers=1")
-    assert memory.plan_of(trainers.placed(on, 1)).attention_layers == 2
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_saving_and_attention_keeping_layers_train_as_the_reference_with_clipping(
+        micro_batches, monkeypatch):
+    """The last layer saves (stream.keep_layers=1); saving layers keep more than the
+    attention, so the attention is kept by the layers just before them. The plan counts
+    those, and six steps, clipped on some and not on others, equal the reference's."""
+    cfg = tiny("model.layers=3", "data.batch_size=4", f"data.micro_batches={micro_batches}",
+               "optim.lr=1e-2", "optim.clip_norm=1.5", "model.attention=blockwise",
+               "stream.attention_chunk=16", "stream.keep_attention=on", "stream.keep_layers=1")
+    assert memory.plan_of(trainers.placed(cfg, 1)).attention_layers == 2
     cfg7b = load_config("7b", ["stream.keep_attention=on", "stream.keep_layers=12"])
     rates = presets.PRESETS["H200"].rates(cfg7b)
     planned = planner.plan_placement(cfg7b, None, None, 1, rates)  # the room unknown
@@ -135,9 +130,9 @@ def test_kept_attention_goes_to_the_layers_before_the_saving_ones(monkeypatch):
         return dataclasses.replace(built, layer_keeping=lambda *a: calls.append(1) or keeping(*a))
 
     monkeypatch.setattr("megatrain_jax.stream.engine.build_programs", counting)
-    stream, _ = agrees_with_reference_while_clipping(on, 3)
+    stream, _ = agrees_with_reference_while_clipping(cfg, 6)
     assert stream.engine.schedule.keep_attention == 2 and stream.engine.schedule.keep_layers == 1
-    assert len(calls) == 2 * 3  # layers 0 and 1 in each of the 3 steps
+    assert len(calls) == 2 * 6  # layers 0 and 1 in each of the 6 steps
 
 
 def test_keep_layers_refused_with_the_fix():

@@ -1,13 +1,14 @@
 """Kept attention (`stream.keep_attention`): the forward keeps the attention's output and
 statistics, the backward's recompute takes them instead of attending again. Same values and
-gradients as attending again, fewer FLOPs, the same training as the reference; the planner's
-count of the layers that keep it, and the refusals (CPU, fp32, blockwise attention)."""
+gradients as attending again, fewer FLOPs; the planner's count of the layers that keep it,
+and the refusals (CPU, fp32, blockwise attention). tests/test_keep_layers.py trains layers
+keeping it beside saving ones against the reference."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import agrees_with_reference_while_clipping, max_rel_error, tiny
+from conftest import max_rel_error, tiny
 
 from megatrain_jax import model
 from megatrain_jax.config import ConfigError, load_config, memory, memory_lines
@@ -71,15 +72,6 @@ def test_the_replayed_backward_does_not_attend_again(monkeypatch):
     assert traced_forwards(lambda a, b: model.layer(a, b, cfg, **opts)) == 1
     assert traced_forwards(lambda a, b, k: model.layer_replaying_attention(a, b, k, cfg, **opts),
                            kept) == 0
-
-
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_streamed_with_kept_attention_matches_reference_with_clipping(micro_batches):
-    cfg = tiny("model.layers=3", "data.batch_size=4", f"data.micro_batches={micro_batches}",
-               "optim.lr=1e-2", "optim.clip_norm=1.5", "model.attention=blockwise",
-               "stream.attention_chunk=16", "stream.keep_attention=on")
-    stream, _ = agrees_with_reference_while_clipping(cfg, 6)
-    assert stream.engine.schedule.keep_attention == 3
 
 
 def test_kept_attention_gives_the_gradients_of_attending_again():

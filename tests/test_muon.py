@@ -138,18 +138,20 @@ def test_a_nan_gradient_skips_the_step_and_writes_nothing(run):
     run["state"] = state
 
 
-# Newton–Schulz in bfloat16 (optim.muon.ns_dtype's default) against the fp32 reference over
-# the same 20 steps: measured losses within 3.4e-4 (relative) and weights within 4.8e-2
-# (max_rel_error: the largest difference of a leaf over its largest value; the weights moved
-# 0.72 from the start), held to 1e-3 and 0.1 (docs/guide.md, "Muon").
+# Newton–Schulz in bfloat16 (optim.muon.ns_dtype's default), streamed, against the fp32
+# reference over the same 20 steps: measured losses within 3.1e-4 (relative) and the layers'
+# weights within 4.8e-2 (max_rel_error: the largest difference of a leaf over its largest
+# value; they moved 0.55 from the start), held to 1e-3 and 0.1 (docs/guide.md, "Muon").
 BF16_LOSS_RTOL, BF16_WEIGHTS_REL = 1e-3, 0.1
 
 
 def test_bfloat16_newton_schulz_stays_near_the_float32_reference(run):
-    from megatrain_jax.train.reference import ReferenceTrainer
+    """The layers' weights: the embedding takes AdamW, under which a row one step's tokens
+    touch moves by about lr times the sign of its gradient, whatever the gradient's size."""
+    from megatrain_jax.train import StreamTrainer
 
     cfg = tiny(*MUON, "stream.resident_layers=1", "optim.muon.ns_dtype=bfloat16")
-    trainer, data = ReferenceTrainer(cfg), TokenSource(cfg)
+    trainer, data = StreamTrainer(cfg), TokenSource(cfg)
     state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
     losses = []
     for step in range(STEPS):
@@ -157,7 +159,7 @@ def test_bfloat16_newton_schulz_stays_near_the_float32_reference(run):
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, [r["ref_loss"] for r in run["records"]],
                                rtol=BF16_LOSS_RTOL)
-    rel = max_rel_error(state.params, run["ref"].params)
+    rel = max_rel_error(state.params["layers"], run["ref"].params["layers"])
     assert 1e-3 < rel <= BF16_WEIGHTS_REL, rel  # bf16 indeed, and near
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state.opt_state)
                if jnp.issubdtype(leaf.dtype, jnp.floating))  # the momentum stays fp32

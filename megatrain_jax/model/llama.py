@@ -17,10 +17,12 @@ places memory: that is the host store's and the engine's job.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from megatrain_jax.config import ModelConfig, auto
 from megatrain_jax.model import ops, replay
@@ -96,21 +98,33 @@ def abstract(cfg: ModelConfig) -> dict:
 
 def _init_like(spec_tree, key, std: float, scaled: tuple[str, ...] = (), scale: float = 1.0):
     """Norm weights start at one, biases at zero, matrices normal(0, std)."""
-    fields = dataclasses.fields(spec_tree)
-    keys = jax.random.split(key, len(fields))
-    values = {}
-    for f, k in zip(fields, keys):
-        spec = getattr(spec_tree, f.name)
-        if spec is None:
-            values[f.name] = None
-        elif f.name.endswith("norm"):
-            values[f.name] = jnp.ones(spec.shape, spec.dtype)
-        elif len(spec.shape) == 1:
-            values[f.name] = jnp.zeros(spec.shape, spec.dtype)
+    names = [f.name for f in dataclasses.fields(spec_tree)]
+    specs = [getattr(spec_tree, name) for name in names]
+    kinds = tuple(None if spec is None else
+                  ("ones" if name.endswith("norm") else "zeros" if len(spec.shape) == 1 else
+                   "normal", tuple(spec.shape), jnp.dtype(spec.dtype).name)
+                  for name, spec in zip(names, specs))
+    stds = np.array([std * (scale if name in scaled else 1.0) for name in names], np.float32)
+    return type(spec_tree)(**dict(zip(names, _drawn(key, stds, kinds))))
+
+
+@partial(jax.jit, static_argnums=2)
+def _drawn(key, stds, kinds: tuple) -> list:
+    """The values of `kinds` ((kind, shape, dtype) or None per field), field i's normal draw
+    from the i-th of len(kinds) keys split from `key`, times stds[i]. One program for every
+    config of these shapes: the deviations are arguments."""
+    keys = jax.random.split(key, len(kinds))
+    values = []
+    for i, kind in enumerate(kinds):
+        if kind is None:
+            values.append(None)
+            continue
+        what, shape, dtype = kind
+        if what == "normal":
+            values.append(stds[i] * jax.random.normal(keys[i], shape, dtype))
         else:
-            s = std * (scale if f.name in scaled else 1.0)
-            values[f.name] = s * jax.random.normal(k, spec.shape, spec.dtype)
-    return type(spec_tree)(**values)
+            values.append((jnp.ones if what == "ones" else jnp.zeros)(shape, dtype))
+    return values
 
 
 def init_layer(cfg: ModelConfig, key) -> LayerParams:

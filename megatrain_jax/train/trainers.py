@@ -15,8 +15,6 @@ any more). `stream` keeps the state at home on the host and streams layers throu
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 
 from megatrain_jax import model, optim
@@ -99,10 +97,9 @@ class StreamTrainer:
         if params is not None:
             return self.engine.state_from_params(params, on_part=on_part)
         m = self.cfg.model
-        init_layer = jax.jit(partial(model.init_layer, m))  # compiled once for all layers
         return self.engine.init_state(
             lambda: model.init_embed(m, model.layer_key(key, -1)),
-            lambda i: init_layer(model.layer_key(key, i)),
+            lambda i: model.init_layer(m, model.layer_key(key, i)),
             lambda: model.init_head(m, model.layer_key(key, -2)),
             m.layers, on_part,
         )

@@ -56,7 +56,12 @@ class ReferenceTrainer:
         """The whole model at once (`on_part`, the streamed trainer's progress hook, is not
         called: there are no parts)."""
         params = model.init(self.cfg.model, key) if params is None else params
-        return TrainState(params, self.opt.init(params), jnp.zeros((), jnp.int32))
+        return self._placed(TrainState(params, self.opt.init(params), jnp.zeros((), jnp.int32)))
+
+    def _placed(self, state: TrainState) -> TrainState:
+        """The state committed to the first device, as a restored one and every step's are:
+        a run and its resumption call one compiled step."""
+        return jax.device_put(state, jax.devices()[0])
 
     def train_step(self, state: TrainState, batch: dict, *, tracer=None,
                    before_write=None) -> tuple[TrainState, dict]:
@@ -82,7 +87,8 @@ class ReferenceTrainer:
         return {}
 
     def from_tree(self, tree: dict, step: int, record: dict | None = None) -> TrainState:
-        return TrainState(tree["params"], tree["opt_state"], jnp.asarray(step, jnp.int32))
+        return self._placed(TrainState(tree["params"], tree["opt_state"],
+                                       jnp.asarray(step, jnp.int32)))
 
     def grads(self, params: dict, batch: dict):
         """(loss, gradients) of the whole batch, accumulated over micro-batches."""

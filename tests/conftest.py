@@ -29,6 +29,13 @@ def tiny(*overrides):
     return load_config("tiny", ["model.compute_dtype=float32", *overrides])
 
 
+# Twenty steps of three layers and two micro-batches that clip on some steps and not on
+# others: the tests that train a feature against the reference share it where they can, so
+# that the reference's step (and the layer programs) compile once for all of them.
+CLIPPED = ["model.layers=3", "data.batch_size=4", "data.micro_batches=2", "loop.steps=20",
+           "optim.lr=1e-2", "optim.clip_norm=1.0", "schedule.warmup_steps=3"]
+
+
 class Transfers(Tracer):
     """The names of the host-to-device copies a step issues, in order (`h2d`)."""
 

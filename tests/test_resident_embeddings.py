@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import Transfers, agrees_with_reference_while_clipping, tiny
+from conftest import CLIPPED, Transfers, agrees_with_reference_while_clipping, tiny
 
 from megatrain_jax import model
 from megatrain_jax.config import load_config, memory, memory_lines
@@ -69,9 +69,7 @@ def test_steps_match_the_reference_with_speculative_updates_undone_and_standing(
     """Every step speculates the layers' updates during the backward (stream.speculate=on): the
     first steps clip, after their speculative updates ran, and undo and redo them; later ones do
     not, and their speculative updates stand. The embedding and head update on the device."""
-    cfg = tiny("model.layers=3", "data.batch_size=4", "data.micro_batches=2", "loop.steps=20",
-               "optim.lr=1e-2", "optim.clip_norm=1.0", "schedule.warmup_steps=3",
-               "stream.speculate=on", "stream.resident_embeddings=on")
+    cfg = tiny(*CLIPPED, "stream.speculate=on", "stream.resident_embeddings=on")
     stream, records = agrees_with_reference_while_clipping(cfg, 14)
     assert stream.engine.placement.resident_embeddings
     # Each record tells of the update of the step before it.

@@ -7,9 +7,10 @@ part is verified, and a failure (or silence) anywhere leaves only the earlier ch
 Two `megatrain-jax train` processes with two CPU devices each, joined by jax.distributed,
 checkpoint a run; one is killed (SIGKILL) in the middle of the last save, which the test
 makes deterministic with MEGATRAIN_JAX_TEST_PAUSE_SAVE. The earlier checkpoint then resumes
-on two processes, on one process with two devices and on one with one device, each with the
-unbroken run's losses, and both exports (loop.export_dir of the run of two processes, and
-`megatrain-jax export` here, in one process) load in transformers with the run's logits.
+on two processes and on one process with one device, each with the unbroken run's losses
+(tests/test_mesh.py resumes four devices' checkpoint on two), and both exports
+(loop.export_dir of the run of two processes, and `megatrain-jax export` here, in one
+process) load in transformers with the run's logits.
 The runs share one fixture: processes are the slow part.
 
 A clean stop (SIGTERM) that reaches one process of a run stops every process after the same
@@ -239,10 +240,10 @@ def runs(tmp_path_factory):
     procs[0].kill()  # else the coordination service ends it when process 1's heartbeats stop
     procs[0].wait()
     unbroken = _losses(killed)
-    for name in ("two", "one_two", "one_one"):
+    for name in ("two", "one"):
         shutil.copytree(killed, folder / name)
     resumed = [*_train(folder / "two", 2, 2, None, f"loop.export_dir={folder / 'final'}"),
-               *_train(folder / "one_two", 2), *_train(folder / "one_one", 1)]
+               *_train(folder / "one", 1)]
     _finish(resumed)
     return folder, seen, unbroken
 
@@ -257,10 +258,10 @@ def test_a_process_killed_during_a_save_leaves_the_step_invisible(runs):
     assert "part-0.json" in partial and any(name.endswith(".bin") for name in partial)
 
 
-def test_the_checkpoint_of_two_processes_resumes_on_two_on_one_and_on_one_device(runs):
+def test_the_checkpoint_of_two_processes_resumes_on_two_and_on_one_device(runs):
     folder, _, unbroken = runs
     later = range(EVERY + 1, STEPS + 1)
-    for name in ("two", "one_two", "one_one"):
+    for name in ("two", "one"):
         losses = _losses(folder / name)
         assert sorted(losses) == list(range(1, STEPS + 1)), name
         np.testing.assert_allclose([losses[s] for s in later], [unbroken[s] for s in later],
@@ -298,8 +299,8 @@ def test_exports_of_the_run_of_two_processes_load_in_transformers_with_its_logit
             return m.eval()(torch.tensor(tokens)).logits.numpy()
 
     # The run's model: its last checkpoint as one process on one device wrote it, whole.
-    expected = ours("one_one", STEPS)
-    assert np.max(np.abs(expected - ours("one_one", EVERY))) > 1e-3  # the steps moved it
+    expected = ours("one", STEPS)
+    assert np.max(np.abs(expected - ours("one", EVERY))) > 1e-3  # the steps moved it
     for exported in (out, folder / "final"):  # this process's export, the run's own
         assert np.max(np.abs(theirs(exported) - expected)) <= 1e-4
 

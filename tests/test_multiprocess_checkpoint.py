@@ -307,7 +307,8 @@ def test_exports_of_the_run_of_two_processes_load_in_transformers_with_its_logit
 
 def test_sigterm_to_one_process_stops_both_cleanly_at_one_complete_checkpoint(tmp_path):
     run = tmp_path / "run"
-    procs = _train(run, 1, 2, None, "loop.steps=100000", "loop.checkpoint_every=100000")
+    # Two devices a process, as the killed run's: the cache holds its compiled programs.
+    procs = _train(run, 2, 2, None, "loop.steps=100000", "loop.checkpoint_every=100000")
     records = run / "process-1" / "metrics.jsonl"
     _wait_for(lambda: records.exists() and records.read_text().count("\n") >= 2, procs)
     os.kill(procs[1].pid, signal.SIGTERM)  # the first process gets no signal

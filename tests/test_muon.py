@@ -212,9 +212,11 @@ def test_four_devices_match_the_one_device_reference(run):
 
 
 def _loop_cfg(run_dir, *more):
+    """`run`'s config in the training loop, its schedule fixed at `run`'s 20 steps (the
+    update programs, which hold the schedule, are `run`'s)."""
     return tiny(*MUON, "stream.resident_layers=1", "loop.log_every=1",
                 "loop.progress=none", "loop.tensorboard=off", "loop.timeline_step=-1",
-                "schedule.decay_steps=6", f"loop.run_dir={run_dir}", *more)
+                f"schedule.decay_steps={STEPS}", f"loop.run_dir={run_dir}", *more)
 
 
 def test_resume_continues_bit_for_bit(tmp_path):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import max_rel_error, side_by_side, tiny
+from conftest import CLIPPED, max_rel_error, side_by_side, tiny
 
 from megatrain_jax.config import ConfigError
 from megatrain_jax.io.checkpoint import CheckpointError
@@ -117,11 +117,17 @@ _expected_moment_bytes = {  # vectors keep fp32 moments
 def test_streamed_matches_the_reference_in_each_state_dtype(state_dtype):
     """Twenty clipped steps of the tiny model: the streamed host update and the whole-model
     Optax reference with the same moments agree; the moments take the bytes the mode
-    promises."""
-    cfg = tiny(f"optim.state_dtype={state_dtype}", "optim.lr=3e-3", "optim.clip_norm=0.5",
-               "stream.resident_layers=1")  # a resident layer: the device update too
+    promises. fp32 moments train conftest.CLIPPED (which test_engine trains too, so the
+    reference's step is compiled once); the compact ones a smaller rate, for the bounds
+    below."""
+    resident = "stream.resident_layers=1"  # a resident layer: the device update too
+    if state_dtype == "float32":
+        cfg = tiny(*CLIPPED, resident)
+    else:
+        cfg = tiny(f"optim.state_dtype={state_dtype}", "optim.lr=3e-3", "optim.clip_norm=0.5",
+                   resident)
     ref_state, state, _, records = side_by_side(cfg, 20)
-    assert all(r["grad_norm"] > 0.5 for r in records[:3])  # clipping is active
+    assert all(r["grad_norm"] > cfg.optim.clip_norm for r in records[:3])  # clipping acts
     np.testing.assert_allclose([r["loss"] for r in records], [r["ref_loss"] for r in records],
                                rtol=1e-5)
     # The two trainers' gradients differ in the last bits (other programs, other sums); a

@@ -80,17 +80,16 @@ def test_nnx_gradients_equal_flax_grad(options):
     assert memory_kinds(state.params) == {"pinned_host"}
 
 
-@pytest.mark.parametrize("resident_layers,resident_embeddings", [(0, False), (1, True)])
-def test_nnx_ten_steps_agree_with_ordinary_training(resident_layers, resident_embeddings):
+def test_nnx_ten_steps_agree_with_ordinary_training():
+    """A layer and the embedding and head on the device, the other layers streamed (every part
+    streamed: the Flax models of test_flax_users.py, clipped, against jax.grad)."""
     opt = optax.adamw(3e-3)
     step = streaming.from_nnx(*nnx_example.build(), nnx_example.summed_loss, opt,
-                              resident_layers=resident_layers,
-                              resident_embeddings=resident_embeddings)
+                              resident_layers=1, resident_embeddings=True)
     state = step.init_state()
-    assert memory_kinds(state.params["layers"][0]) == \
-        ({"device"} if resident_layers else {"pinned_host"})
-    assert memory_kinds((state.params["embed"], state.params["head"])) == \
-        ({"device"} if resident_embeddings else {"pinned_host"})
+    assert memory_kinds(state.params["layers"][0]) == {"device"}
+    assert memory_kinds(state.params["layers"][1]) == {"pinned_host"}
+    assert memory_kinds((state.params["embed"], state.params["head"])) == {"device"}
     model = WholeModel(*nnx_example.build())
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = opt.init(params)

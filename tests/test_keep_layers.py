@@ -35,7 +35,7 @@ def test_saving_layers_give_the_gradients_of_recomputing_and_fetch_no_weights_ba
     """Keeping or recomputing, the same loss and the same gradients, bit for bit here (the
     backward's arithmetic is the same; XLA:CPU fuses it alike); the saving layers' weights
     travel to the device once, in the forward."""
-    cfg = tiny("model.layers=3", "data.batch_size=2", f"model.compute_dtype={dtype}",
+    cfg = tiny("model.layers=3", "data.batch_size=4", f"model.compute_dtype={dtype}",
                f"data.micro_batches={micro_batches}")
     params = model.init(cfg.model, jax.random.key(0))
     loss, grads, h2d = _forward_backward(cfg, params, 0)

@@ -81,7 +81,7 @@ def test_kept_attention_gives_the_gradients_of_attending_again():
     from megatrain_jax.io.data import TokenSource
     from megatrain_jax.stream import StreamEngine
 
-    cfg = tiny("model.layers=3", "data.batch_size=2", "model.attention=blockwise",
+    cfg = tiny("model.layers=3", "data.batch_size=4", "model.attention=blockwise",
                "stream.attention_chunk=16")
     params = model.init(cfg.model, jax.random.key(0))
 

@@ -13,8 +13,20 @@ from megatrain_jax.cli import main
 from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.io import hf
 
-torch = pytest.importorskip("torch", reason="the README's test command installs torch")
-transformers = pytest.importorskip("transformers")
+
+class _Imported:
+    """A module imported at its first use, not when the tests are collected (on every
+    worker, torch takes seconds); a test that uses a missing one is skipped."""
+
+    def __init__(self, name: str, reason: str | None = None):
+        self._name, self._reason = name, reason
+
+    def __getattr__(self, attr: str):
+        return getattr(pytest.importorskip(self._name, reason=self._reason), attr)
+
+
+torch = _Imported("torch", reason="the README's test command installs torch")
+transformers = _Imported("transformers")
 
 SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,

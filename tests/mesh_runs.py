@@ -7,7 +7,8 @@ The device count must be fixed before JAX starts, so the tests run these as subp
                       clips; none dropped as late) against the one-device reference, the state's
                       shardings, then runs of the training loop in DIR (a straight one, and
                       one that stops at a checkpoint for other device counts to resume), and
-                      the host kernel over split leaves against whole ones
+                      the host kernel over split leaves against whole ones, and the NNX
+                      example's run over four devices
     resume DIR        the stopped run resumed on this process's devices
 
 `single()`, the steps of test_mesh's two-process run in one process, runs in test_mesh's own.
@@ -105,7 +106,26 @@ def compare(run_dir: str) -> dict:
     out["params"] = loop_cfg(run_dir).model.num_params
     out["kernel_bits_equal"] = _kernel_bits()
     out["kept_weights"] = _kept_weights()
+    out["nnx_example"] = _nnx_example()
     return out
+
+
+def _nnx_example() -> list[str]:
+    """The lines `python examples/nnx_scanned.py --steps 6 --devices 4` prints, run here."""
+    import contextlib
+    import io
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "nnx_scanned.py"
+    argv, printed = sys.argv, io.StringIO()
+    sys.argv = [str(path), "--steps", "6", "--devices", "4"]
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        sys.argv = argv
+    return printed.getvalue().splitlines()
 
 
 def _kept_weights() -> dict:

@@ -59,6 +59,24 @@ def max_rel_error(a, b) -> float:
     return max(jax.tree.leaves(errors))
 
 
+def stream_run(cfg, steps: int):
+    """The streamed trainer over `steps` batches from model.init's parameters (key 0), as
+    side_by_side starts it: (final state, losses, gradient norms, each step's metrics)."""
+    from megatrain_jax import model
+    from megatrain_jax.io.data import TokenSource
+    from megatrain_jax.train import StreamTrainer
+
+    data, trainer = TokenSource(cfg), StreamTrainer(cfg)
+    state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
+    losses, norms, records = [], [], []
+    for step in range(steps):
+        state, m = trainer.train_step(state, data.batch_at(step))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+        records.append(m)
+    return state.wait(), losses, norms, records
+
+
 def side_by_side(cfg, steps: int):
     """The reference and the streamed trainer over the same `steps` batches from the same
     parameters: (reference state, streamed state, the streamed trainer, a record per step)."""

@@ -17,25 +17,14 @@ import sys
 def train_on_the_mesh(out_file: str) -> None:
     import jax
     import numpy as np
-    from conftest import tiny
+    from conftest import stream_run, tiny
     from test_muon import MUON, STEPS
 
-    from megatrain_jax import model
-    from megatrain_jax.io.data import TokenSource
-    from megatrain_jax.train import StreamTrainer
-
-    cfg = tiny(*MUON, "stream.resident_layers=1")
-    trainer, data = StreamTrainer(cfg), TokenSource(cfg)
-    state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
-    losses, norms = [], []
-    for step in range(STEPS):
-        state, metrics = trainer.train_step(state, data.batch_at(step))
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-    leaves = jax.tree.leaves(state.wait().params)
-    np.savez(f"{out_file}.npz", *[np.asarray(leaf) for leaf in leaves])
+    state, losses, norms, _ = stream_run(tiny(*MUON, "stream.resident_layers=1"), STEPS)
+    np.savez(f"{out_file}.npz", *[np.asarray(leaf) for leaf in jax.tree.leaves(state.params)])
     result = {"devices": jax.device_count(), "losses": losses, "norms": norms,
-              "mesh": trainer.engine.placement.devices,
+              "mesh": len({device for leaf in jax.tree.leaves(state.opt_state)
+                           for device in leaf.sharding.device_set}),
               "split": sum(leaf.addressable_shards[0].data.shape != leaf.shape
                            for leaf in jax.tree.leaves(state.opt_state))}
     with open(out_file, "w") as f:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FAST_COMPILE, max_rel_error, side_by_side, tiny
+from conftest import FAST_COMPILE, max_rel_error, side_by_side, stream_run, tiny
 from flax import nnx
 from nnx_list_model import ListModel, summed_loss
 
@@ -148,15 +148,8 @@ BF16_LOSS_RTOL, BF16_WEIGHTS_REL = 1e-3, 0.1
 def test_bfloat16_newton_schulz_stays_near_the_float32_reference(run):
     """The layers' weights: the embedding takes AdamW, under which a row one step's tokens
     touch moves by about lr times the sign of its gradient, whatever the gradient's size."""
-    from megatrain_jax.train import StreamTrainer
-
     cfg = tiny(*MUON, "stream.resident_layers=1", "optim.muon.ns_dtype=bfloat16")
-    trainer, data = StreamTrainer(cfg), TokenSource(cfg)
-    state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
-    losses = []
-    for step in range(STEPS):
-        state, metrics = trainer.train_step(state, data.batch_at(step))
-        losses.append(float(metrics["loss"]))
+    state, losses, _, _ = stream_run(cfg, STEPS)
     np.testing.assert_allclose(losses, [r["ref_loss"] for r in run["records"]],
                                rtol=BF16_LOSS_RTOL)
     rel = max_rel_error(state.params["layers"], run["ref"].params["layers"])
@@ -204,7 +197,7 @@ def test_four_devices_match_the_one_device_reference(run):
     (output, _), out = run["mesh"]()
     assert out.exists(), output[-4000:]
     result = json.loads(out.read_text())
-    assert result["devices"] == 4 and result["mesh"] == 4
+    assert result["devices"] == 4 and result["mesh"] == 4  # the state over all four
     assert result["split"] > 0  # the state split over the devices
     norms = result["norms"]
     assert any(n > 2.0 for n in norms) and any(n < 2.0 for n in norms)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import max_rel_error, tiny
+from conftest import max_rel_error, stream_run, tiny
 
 from megatrain_jax import model, optim
 from megatrain_jax.io.data import TokenSource
@@ -94,22 +94,9 @@ def _reference_run(cfg, steps):
     return state, losses
 
 
-def _stream_run(cfg, steps):
-    """(state, losses, gradient norms, metrics) of the streamed trainer."""
-    data, trainer = TokenSource(cfg), StreamTrainer(cfg)
-    state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
-    losses, norms, records = [], [], []
-    for step in range(steps):
-        state, m = trainer.train_step(state, data.batch_at(step))
-        losses.append(float(m["loss"]))
-        norms.append(float(m["grad_norm"]))
-        records.append(m)
-    return state.wait(), losses, norms, records
-
-
 def _train_both(cfg, steps):
     plain = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, speculate="off"))
-    return (*_reference_run(plain, steps), *_stream_run(cfg, steps))
+    return (*_reference_run(plain, steps), *stream_run(cfg, steps))
 
 
 def _speculation_counts(records):
@@ -170,12 +157,12 @@ def test_speculative_updates_in_bfloat16_match_the_reference():
 
 
 def test_the_policy_stops_speculating_when_every_step_clips():
-    _, _, norms, records = _stream_run(_cfg("optim.clip_norm=0.01", "stream.speculate=auto"), 5)
+    _, _, norms, records = stream_run(_cfg("optim.clip_norm=0.01", "stream.speculate=auto"), 5)
     assert all(n > 0.01 for n in norms)
     assert [s for s, _ in _speculation_counts(records)] == [0] * 4
     assert [m["speculating"] for m in records] == [0.0] * 5  # each step's own choice
     # and speculates on every step, the first too, once clipping is off
-    _, _, _, records = _stream_run(_cfg("optim.clip_norm=0", "stream.speculate=auto"), 3)
+    _, _, _, records = stream_run(_cfg("optim.clip_norm=0", "stream.speculate=auto"), 3)
     assert [s for s, _ in _speculation_counts(records)] == [4, 4]
     assert [m["speculating"] for m in records] == [1.0] * 3
 
@@ -227,7 +214,7 @@ def test_a_speculative_update_reads_the_sum_of_squares_copied_beside_its_gradien
         return ready(self, part, params, grads, opt_state, part_sq)
 
     monkeypatch.setattr(speculation.StepUpdate, "gradient_ready", watched)
-    _, _, _, records = _stream_run(_cfg("stream.speculate=on", "optim.clip_norm=0"), 2)
+    _, _, _, records = stream_run(_cfg("stream.speculate=on", "optim.clip_norm=0"), 2)
     assert len(seen) == 2 * 4 and all(seen)  # the head and 3 layers, each step
     assert int(records[-1]["speculated_parts"]) == 4
 
@@ -489,8 +476,8 @@ def test_bf16_layer_gradients_are_exact():
     _, grads, *_ = two.engine.forward_backward(two.init(None, model.init(
         two.cfg.model, jax.random.key(0))).params, batch)
     assert _dtypes(grads["layers"]) == {"float32"}
-    halves, _, _, _ = _stream_run(_cfg(*base), 6)
-    full, _, _, _ = _stream_run(_cfg(*base, "stream.grad_dtype=float32"), 6)
+    halves, _, _, _ = stream_run(_cfg(*base), 6)
+    full, _, _, _ = stream_run(_cfg(*base, "stream.grad_dtype=float32"), 6)
     for x, y in zip(jax.tree.leaves((halves.params, halves.opt_state)),
                     jax.tree.leaves((full.params, full.opt_state))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -49,6 +49,28 @@ class Transfers(Tracer):
         return super().issued(lane, name, tree)
 
 
+def normal(seed: int, shape, scale: float = 1.0) -> np.ndarray:
+    """float32 numbers from a standard normal (times `scale`), drawn by NumPy: test inputs
+    with no random-number program to compile for every shape."""
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def integers(seed: int, shape, high: int) -> np.ndarray:
+    """int32 numbers in [0, high), drawn by NumPy."""
+    return np.random.default_rng(seed).integers(0, high, shape, dtype=np.int32)
+
+
+def aligned(a) -> np.ndarray:
+    """A copy of `a` whose data starts on a 64-byte boundary: the CPU client takes such an
+    array as the placed array's own buffer unless the library copies it."""
+    a = np.asarray(a)
+    raw = np.empty(a.nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def max_rel_error(a, b) -> float:
     """max over leaves of max|a - b| / max|b| (trees of equal structure)."""
     errors = jax.tree.map(

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import max_rel_error, tiny
+from conftest import max_rel_error, normal, tiny
 
 from megatrain_jax import model
 from megatrain_jax.config import ConfigError, load_config, memory, memory_lines
@@ -24,8 +24,7 @@ def _layer_case(packed: bool):
     weights, input, output gradient and segment ids (three packed examples per row)."""
     cfg = tiny("model.max_seq_len=256", "model.attention=blockwise").model
     p = model.init(cfg, jax.random.key(0))["layers"][0]
-    x = jax.random.normal(jax.random.key(1), (2, 200, cfg.hidden))
-    dy = jax.random.normal(jax.random.key(2), x.shape)
+    x, dy = normal(1, (2, 200, cfg.hidden)), normal(2, (2, 200, cfg.hidden))
     segments = None
     if packed:
         segments = jnp.tile(jnp.repeat(jnp.arange(3), jnp.array([70, 64, 66]),

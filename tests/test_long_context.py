@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import max_rel_error, tiny
+from conftest import integers, max_rel_error, normal, tiny
 
 from megatrain_jax import model, streaming
 from megatrain_jax.cli import main
@@ -55,7 +55,7 @@ def test_rope_angles_are_exact_near_half_a_million_positions():
     naive = positions[None, :, None].astype(np.float32) * inv.astype(np.float32)
     assert np.max(np.abs(np.cos(naive.astype(np.float64)) - np.cos(angles))) > 1e-3
     # Rotating a vector: as float64 does it, to fp32 rounding.
-    x = np.asarray(jax.random.normal(jax.random.key(0), (1, positions.size, 2, 128)))
+    x = normal(0, (1, positions.size, 2, 128))
     x1, x2 = x[..., :64], x[..., 64:]
     c, s = np.cos(angles)[:, :, None], np.sin(angles)[:, :, None]
     expected = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
@@ -66,9 +66,8 @@ def test_rope_angles_are_exact_near_half_a_million_positions():
 # ----- attention ---------------------------------------------------------------------------
 
 def _qkv(b, s, h, k, e, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    return (jax.random.normal(keys[0], (b, s, h, e)), jax.random.normal(keys[1], (b, s, k, e)),
-            jax.random.normal(keys[2], (b, s, k, e)), jax.random.normal(keys[3], (b, s, h, e)))
+    return tuple(normal(4 * seed + i, shape) for i, shape in
+                 enumerate([(b, s, h, e), (b, s, k, e), (b, s, k, e), (b, s, h, e)]))
 
 
 def _value_and_vjp(impl, chunk=64):
@@ -121,7 +120,7 @@ def test_auto_attention_path_by_length():
 @pytest.fixture(scope="module")
 def mlp_case():
     p = model.init_layer(tiny().model, jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (2, 192, 32))
+    x = normal(1, (2, 192, 32))
     weights = (p.mlp_norm, p.w_gate, p.w_up, p.w_down)
 
     def run(tile):
@@ -162,7 +161,7 @@ def test_automatic_mlp_tile():
 # ----- a streamed step with both, against the plain reference ------------------------------
 
 def _packed_batch(b, s, vocab):
-    tokens = np.asarray(jax.random.randint(jax.random.key(3), (b, s + 1), 0, vocab), np.int32)
+    tokens = integers(3, (b, s + 1), vocab)
     segments = np.ones((b, s), np.int32)
     segments[0, 150:400], segments[0, 400:] = 2, 3
     positions = np.stack([np.arange(s)] * b).astype(np.int32)

@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny
+from conftest import integers, normal, tiny
 
 from megatrain_jax import model
 from megatrain_jax.config import RopeScaling, load_config
@@ -10,7 +10,7 @@ from megatrain_jax.model import ops
 
 
 def _tokens(cfg, b=2, s=16, seed=0):
-    return jax.random.randint(jax.random.key(seed), (b, s), 0, cfg.model.vocab_size)
+    return jnp.asarray(integers(seed, (b, s), cfg.model.vocab_size))
 
 
 def test_output_shapes():
@@ -47,9 +47,7 @@ def test_causal_and_gqa(kv_heads):
 
 def test_gqa_equals_repeated_kv_heads():
     """kv heads shared by groups of query heads: same as full attention with repeated k/v."""
-    q = jax.random.normal(jax.random.key(0), (2, 8, 4, 16))
-    k = jax.random.normal(jax.random.key(1), (2, 8, 2, 16))
-    v = jax.random.normal(jax.random.key(2), (2, 8, 2, 16))
+    q, k, v = normal(0, (2, 8, 4, 16)), normal(1, (2, 8, 2, 16)), normal(2, (2, 8, 2, 16))
     grouped = ops.attention(q, k, v, "xla")
     full = ops.attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), "xla")
     np.testing.assert_allclose(grouped, full, rtol=1e-5, atol=1e-5)
@@ -110,7 +108,7 @@ def test_rope_llama3_scaling_keeps_high_and_slows_low_frequencies():
 
 
 def test_rope_preserves_norm_and_relative_position():
-    x = jax.random.normal(jax.random.key(0), (1, 6, 2, 16))
+    x = normal(0, (1, 6, 2, 16))
     inv = ops.rope_frequencies(16, 10000.0, RopeScaling())
     pos = jnp.arange(6)[None]
     rotated = ops.apply_rope(x, pos, inv)
@@ -124,10 +122,8 @@ def test_rope_preserves_norm_and_relative_position():
 
 
 def test_chunked_cross_entropy_equals_full():
-    h = jax.random.normal(jax.random.key(0), (37, 8))
-    w = jax.random.normal(jax.random.key(1), (8, 50))
-    t = jax.random.randint(jax.random.key(2), (37,), 0, 50)
-    m = (jax.random.uniform(jax.random.key(3), (37,)) > 0.3).astype(jnp.float32)
+    h, w, t = normal(0, (37, 8)), normal(1, (8, 50)), integers(2, (37,), 50)
+    m = (np.random.default_rng(3).uniform(size=37) > 0.3).astype(np.float32)
     logits = h @ w
     full = jnp.sum((jax.nn.logsumexp(logits, -1) - logits[jnp.arange(37), t]) * m)
     for chunk in (5, 16, 64):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FAST_COMPILE, max_rel_error, side_by_side, stream_run, tiny
+from conftest import FAST_COMPILE, max_rel_error, normal, side_by_side, stream_run, tiny
 from flax import nnx
 from nnx_list_model import ListModel, summed_loss
 
@@ -158,8 +158,8 @@ def test_bfloat16_newton_schulz_stays_near_the_float32_reference(run):
                if jnp.issubdtype(leaf.dtype, jnp.floating))  # the momentum stays fp32
 
 
-def _noise(key, leaf):
-    return jax.random.normal(key, leaf.shape) * 0.1
+def _noise(seed, leaf):
+    return jnp.asarray(normal(seed, leaf.shape, 0.1))
 
 
 def test_float32_newton_schulz_is_optax_muon_bit_for_bit():
@@ -184,7 +184,7 @@ def test_float32_newton_schulz_is_optax_muon_bit_for_bit():
         for opt in (reference, ours):
             p, state, update = params, opt.init(params), jax.jit(opt.update)
             for k in range(2):
-                grads = jax.tree.map(partial(_noise, jax.random.key(k)), params)
+                grads = jax.tree.map(partial(_noise, k), params)
                 updates, state = update(grads, state, p)
                 p = optax.apply_updates(p, updates)
             runs.append((p, state))

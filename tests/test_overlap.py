@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import max_rel_error, stream_run, tiny
+from conftest import max_rel_error, normal, stream_run, tiny
 
 from megatrain_jax import model, optim
 from megatrain_jax.io.data import TokenSource
@@ -438,8 +438,7 @@ def test_the_step_programs_keep_every_bf16_value_as_the_program_writes_it():
     default skips that rounding. So a bf16-typed gradient is a bf16 value on any backend."""
     from megatrain_jax.stream import programs
 
-    a, b, c = (jax.random.normal(k, (4096,)).astype(jnp.bfloat16)
-               for k in jax.random.split(jax.random.key(0), 3))
+    a, b, c = (jnp.asarray(normal(seed, (4096,)), jnp.bfloat16) for seed in range(3))
 
     def product(a, b, c):
         return ((a * b) * c).astype(jnp.float32)

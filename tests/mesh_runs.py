@@ -158,16 +158,18 @@ def _kept_weights() -> dict:
 def _kernel_bits() -> dict:
     """The host AdamW over leaves split four ways (along the first dimension, along another,
     not at all) against the same leaves whole on one device: equal bit for bit, for fp32 and
-    bf16 gradients and moments, over three updates."""
+    bf16 gradients and moments, over three updates. The leaves come from NumPy arrays that
+    the CPU client would take as buffers (aligned): a leaf given whole to every device must
+    still be a buffer a device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from conftest import aligned, normal
     from jax.sharding import Mesh
 
     from megatrain_jax.optim.host_adamw import HostAdamW
     from megatrain_jax.stream.placement import HOST_KIND, Placement
 
-    key = jax.random.key(3)
     shapes = {"rows": (8, 6), "columns": (3, 8), "whole": (3, 5), "vector": (12,)}
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     result = {}
@@ -176,13 +178,13 @@ def _kernel_bits() -> dict:
             opt = HostAdamW(1e-2, weight_decay=0.1, state_dtype=state_dtype)
             states = []
             for placement in (Placement(), Placement(mesh=mesh)):
-                params = {k: jax.random.normal(jax.random.fold_in(key, i), shape)
-                          for i, (k, shape) in enumerate(shapes.items())}
+                params = {k: aligned(normal(i, shape)) for i, (k, shape) in
+                          enumerate(shapes.items())}
                 p = placement.place(params, HOST_KIND)
                 s = placement.host_jit(opt.optax.init)(p)
                 for step in range(3):
-                    g = {k: (jax.random.normal(jax.random.fold_in(key, 10 * step + i), a.shape)
-                             * 1e-2).astype(grad_dtype) for i, (k, a) in enumerate(params.items())}
+                    g = {k: normal(10 * step + i, a.shape, 1e-2).astype(grad_dtype)
+                         for i, (k, a) in enumerate(params.items())}
                     g = placement.place(g, HOST_KIND)
                     opt.update(p, g, s, scale=1.0 - 0.1 * step)
                 states.append([np.asarray(a).reshape(-1).view(np.uint8)

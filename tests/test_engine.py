@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import CLIPPED, max_rel_error, side_by_side, tiny
+from conftest import CLIPPED, aligned, max_rel_error, side_by_side, tiny
 
 from megatrain_jax import model
 from megatrain_jax.config import ConfigError
@@ -161,6 +161,23 @@ def test_host_state_is_pinned_after_init_and_step(update):
     assert memory_kinds((state.params, state.opt_state)) == {"pinned_host"}
     state, _ = trainer.train_step(state, TokenSource(cfg).batch_at(0))
     assert memory_kinds((state.params, state.opt_state)) == {"pinned_host"}
+
+
+def test_numpy_parameters_are_copied_and_never_written_into():
+    """The host update writes the state in place: parameters given as NumPy arrays (an
+    import, a restore) must become buffers of the state's own, or training would change the
+    caller's arrays (and, over a mesh, update a leaf given whole to every device once per
+    device: tests/mesh_runs.py's kernel bits)."""
+    cfg = tiny()
+    given = jax.tree.map(aligned, model.init(cfg.model, jax.random.key(0)))
+    before = [np.copy(a) for a in jax.tree.leaves(given)]
+    trainer = StreamTrainer(cfg)
+    state = trainer.init(None, params=given)
+    for step in range(2):  # the first step's learning rate is 0 (warmup)
+        state, _ = trainer.train_step(state, TokenSource(cfg).batch_at(step))
+    state.wait()
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(given), before))
+    assert all(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), before))
 
 
 @pytest.mark.parametrize("update", ["host", "device"])

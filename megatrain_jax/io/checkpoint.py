@@ -53,6 +53,7 @@ from megatrain_jax.io.checksum import Checksum
 from megatrain_jax.io.manifests import MANIFEST, CheckpointError, complete_steps
 from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.saving import Writer
+from megatrain_jax.stream.placement import assemble
 
 __all__ = ["Checkpointer", "CheckpointError", "complete_steps", "foreign_steps", "free_bytes",
            "room_needed", "size", "tree_bytes"]
@@ -237,7 +238,7 @@ class Checkpointer:
             try:
                 if getattr(leaf, "sharding", None) is None:
                     return block(())
-                return jax.make_array_from_callback(leaf.shape, leaf.sharding, block)
+                return assemble(leaf.shape, leaf.sharding, block)
             except Damaged as e:
                 raise CheckpointError(f"checkpoint {step} is damaged: {e}."
                                       f"{self._older_hint(step)}") from None

@@ -165,7 +165,7 @@ class Placement:
         shardings = self.shardings(tree, kind)
         if jax.process_count() > 1:
             return jax.tree.map(_from_whole, tree, shardings)
-        return jax.device_put(tree, shardings, may_alias=False if copy else None)
+        return _put(tree, shardings, copy)
 
     def place_batch(self, micro_batches: dict) -> dict:
         """Micro-batched arrays [M, rows, ...] (whole, in host memory) on the devices."""
@@ -186,8 +186,7 @@ class Placement:
                 return a.sharding.with_memory_kind(kind)
             return self.sharding(jnp.shape(a), kind)
 
-        return jax.device_put(tree, jax.tree.map(target, tree),
-                              may_alias=False if copy else None)
+        return _put(tree, jax.tree.map(target, tree), copy)
 
     def renew(self, tree):
         """The same values in new host buffers, each old one deleted as soon as its copy is
@@ -289,8 +288,34 @@ def _landed(part, on_part: Callable | None, what: str):
     return part
 
 
+def _put(tree, shardings, copy: bool):
+    """jax.device_put of `tree` to `shardings`, where NumPy leaves bound for CPU devices are
+    first made arrays whose shards are buffers of their own (`_from_whole`)."""
+    tree = jax.tree.map(lambda a, s: a if isinstance(a, jax.Array) or not _on_cpu(s)
+                        else _from_whole(a, s), tree, shardings)
+    return jax.device_put(tree, shardings, may_alias=False if copy else None)
+
+
+def _on_cpu(sharding: Sharding) -> bool:
+    return next(iter(sharding.device_set)).platform == "cpu"
+
+
+def assemble(shape: tuple, sharding: Sharding, block: Callable) -> jax.Array:
+    """An array of `sharding` whose shards are `block(index)` (NumPy): make_array_from_callback,
+    except on the CPU, where every shard is made from a copy of its own. The CPU client makes
+    an aligned NumPy array the shard's buffer (one buffer for every device given the same
+    block), and the host update writes its state in place: a shard made from the caller's
+    array would change it, and a block of several devices would be updated once per device."""
+    if not _on_cpu(sharding):
+        return jax.make_array_from_callback(shape, sharding, block)
+    shards = [jax.device_put(np.array(block(index)),
+                             SingleDeviceSharding(device, memory_kind=sharding.memory_kind))
+              for device, index in sharding.addressable_devices_indices_map(shape).items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
 def _from_whole(a, sharding: Sharding) -> jax.Array:
     """An array with `sharding` from the whole of it, of which each process places its own
     devices' shards."""
     whole = np.asarray(a)
-    return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+    return assemble(whole.shape, sharding, lambda index: whole[index])

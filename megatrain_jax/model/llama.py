@@ -97,34 +97,30 @@ def abstract(cfg: ModelConfig) -> dict:
 
 
 def _init_like(spec_tree, key, std: float, scaled: tuple[str, ...] = (), scale: float = 1.0):
-    """Norm weights start at one, biases at zero, matrices normal(0, std)."""
+    """Norm weights start at one, biases at zero, matrices normal(0, std): field i's draw
+    from the i-th of the fields' keys split from `key`."""
     names = [f.name for f in dataclasses.fields(spec_tree)]
-    specs = [getattr(spec_tree, name) for name in names]
-    kinds = tuple(None if spec is None else
-                  ("ones" if name.endswith("norm") else "zeros" if len(spec.shape) == 1 else
-                   "normal", tuple(spec.shape), jnp.dtype(spec.dtype).name)
-                  for name, spec in zip(names, specs))
-    stds = np.array([std * (scale if name in scaled else 1.0) for name in names], np.float32)
-    return type(spec_tree)(**dict(zip(names, _drawn(key, stds, kinds))))
-
-
-@partial(jax.jit, static_argnums=2)
-def _drawn(key, stds, kinds: tuple) -> list:
-    """The values of `kinds` ((kind, shape, dtype) or None per field), field i's normal draw
-    from the i-th of len(kinds) keys split from `key`, times stds[i]. One program for every
-    config of these shapes: the deviations are arguments."""
-    keys = jax.random.split(key, len(kinds))
-    values = []
-    for i, kind in enumerate(kinds):
-        if kind is None:
-            values.append(None)
-            continue
-        what, shape, dtype = kind
-        if what == "normal":
-            values.append(stds[i] * jax.random.normal(keys[i], shape, dtype))
+    keys = jax.random.split(key, len(names))
+    values = {}
+    for i, name in enumerate(names):
+        spec = getattr(spec_tree, name)
+        if spec is None:
+            values[name] = None
+        elif name.endswith("norm") or len(spec.shape) == 1:
+            values[name] = (jnp.ones if name.endswith("norm") else jnp.zeros)(spec.shape,
+                                                                              spec.dtype)
         else:
-            values.append((jnp.ones if what == "ones" else jnp.zeros)(shape, dtype))
-    return values
+            deviation = np.float32(std * (scale if name in scaled else 1.0))
+            values[name] = _normal(keys[i], deviation, tuple(spec.shape),
+                                   jnp.dtype(spec.dtype).name)
+    return type(spec_tree)(**values)
+
+
+@partial(jax.jit, static_argnums=(2, 3))
+def _normal(key, std, shape: tuple, dtype: str):
+    """std * normal(key, shape): one program a shape, shared by every model that has it (the
+    deviation is an argument)."""
+    return std * jax.random.normal(key, shape, dtype)
 
 
 def init_layer(cfg: ModelConfig, key) -> LayerParams:

@@ -97,21 +97,22 @@ def abstract(cfg: ModelConfig) -> dict:
 
 
 def _init_like(spec_tree, key, std: float, scaled: tuple[str, ...] = (), scale: float = 1.0):
-    """Norm weights start at one, biases at zero, matrices normal(0, std): field i's draw
-    from the i-th of the fields' keys split from `key`."""
+    """Norm weights start at one, biases at zero, matrices normal(0, std), each field's
+    from its own of the keys split from `key`."""
     names = [f.name for f in dataclasses.fields(spec_tree)]
     keys = jax.random.split(key, len(names))
     values = {}
-    for i, name in enumerate(names):
+    for name, k in zip(names, keys):
         spec = getattr(spec_tree, name)
         if spec is None:
             values[name] = None
-        elif name.endswith("norm") or len(spec.shape) == 1:
-            values[name] = (jnp.ones if name.endswith("norm") else jnp.zeros)(spec.shape,
-                                                                              spec.dtype)
+        elif name.endswith("norm"):
+            values[name] = jnp.ones(spec.shape, spec.dtype)
+        elif len(spec.shape) == 1:
+            values[name] = jnp.zeros(spec.shape, spec.dtype)
         else:
             deviation = np.float32(std * (scale if name in scaled else 1.0))
-            values[name] = _normal(keys[i], deviation, tuple(spec.shape),
+            values[name] = _normal(k, deviation, tuple(spec.shape),
                                    jnp.dtype(spec.dtype).name)
     return type(spec_tree)(**values)
 

@@ -144,16 +144,22 @@ def test_a_share_speculates_the_first_parts_of_the_backward_only():
 
 def test_speculative_updates_in_bfloat16_match_the_reference():
     """bf16 compute: the streamed and whole-model runs sum in other orders, so they agree
-    to bf16's precision, with speculative updates as without."""
-    errors = {}
+    to bf16's precision, with speculative updates as without.
+
+    An undo restores the fp32 weights to a unit or two in the last place (tested above),
+    but such a unit can flip a weight's rounding to bf16, and the next step's gradients then
+    move by a bf16 unit: runs with and without speculating part by up to 1.5e-4 over these
+    five steps, or by 2e-7 where no rounding flips, as the batches fall. A missing undo
+    moves the weights by a whole update: 1.2e-2 after one step."""
+    params = {}
     for mode in ("off", "on"):
         cfg = _cfg(f"stream.speculate={mode}", "model.compute_dtype=bfloat16", "optim.lr=1e-3")
         ref_state, ref_losses, state, losses, _, records = _train_both(cfg, 5)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
-        errors[mode] = max_rel_error(state.params, ref_state.params)
-        assert errors[mode] <= 5e-2
+        assert max_rel_error(state.params, ref_state.params) <= 5e-2
+        params[mode] = state.params
     assert any(r > 0 for _, r in _speculation_counts(records))  # the "on" run undid some
-    assert errors["on"] <= 1.5 * errors["off"], errors
+    assert max_rel_error(params["on"], params["off"]) <= 1e-3
 
 
 def test_the_policy_stops_speculating_when_every_step_clips():

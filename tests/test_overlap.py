@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import max_rel_error, normal, stream_run, tiny
+from conftest import CLIPPED, max_rel_error, normal, stream_run, tiny
 
 from megatrain_jax import model, optim
 from megatrain_jax.io.data import TokenSource
@@ -77,8 +77,8 @@ def test_undo_inverts_optax_adamw_on_random_states(kernel):
 
 
 def _cfg(*more):
-    return tiny("model.layers=3", "data.batch_size=4", "loop.steps=20", "optim.lr=1e-2",
-                "optim.clip_norm=1.0", "schedule.warmup_steps=3", "stream.update=host", *more)
+    """conftest.CLIPPED with the host update, which test_engine trains too."""
+    return tiny(*CLIPPED, "stream.update=host", *more)
 
 
 @functools.lru_cache(maxsize=4)
@@ -153,7 +153,8 @@ def test_speculative_updates_in_bfloat16_match_the_reference():
     moves the weights by a whole update: 1.2e-2 after one step."""
     params = {}
     for mode in ("off", "on"):
-        cfg = _cfg(f"stream.speculate={mode}", "model.compute_dtype=bfloat16", "optim.lr=1e-3")
+        cfg = _cfg(f"stream.speculate={mode}", "model.compute_dtype=bfloat16", "optim.lr=1e-3",
+                   "data.micro_batches=1")  # bf16 gradients (summed over two, fp32)
         ref_state, ref_losses, state, losses, _, records = _train_both(cfg, 5)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
         assert max_rel_error(state.params, ref_state.params) <= 5e-2
@@ -470,7 +471,8 @@ def test_bf16_layer_gradients_are_exact():
     assert auto.grad_dtype("auto", "float32", 1, 1) == "float32"
     assert auto.grad_dtype("bfloat16", "bfloat16", 1, 2) == "bfloat16"  # asked: rounded
     assert auto.grad_dtype("bfloat16", "bfloat16", 2, 1) == "float32"  # summed on the device
-    base = ("model.compute_dtype=bfloat16", "optim.lr=1e-3", "stream.speculate=on")
+    base = ("model.compute_dtype=bfloat16", "optim.lr=1e-3", "stream.speculate=on",
+            "data.micro_batches=1")
     trainer = StreamTrainer(_cfg(*base))
     batch = TokenSource(trainer.cfg).batch_at(0)
     _, grads, *_ = trainer.engine.forward_backward(trainer.init(None, model.init(

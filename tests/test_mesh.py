@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = Path(__file__).resolve().parent / "mesh_runs.py"
 sys.path.insert(0, str(RUNS.parent))
 import mesh_runs  # noqa: E402
-from conftest import FAST_COMPILE  # noqa: E402
+from conftest import FAST_COMPILE, SEVERAL_PROCESSES  # noqa: E402
 
 
 def _env(**more) -> dict:
@@ -155,7 +155,7 @@ def test_two_processes_of_the_command_line_match_one_process(tmp_path):
     each: the same losses as this process on its one device; the first process writes the
     run's folder, the other only its log."""
     port, run_dir = _free_port(), tmp_path / "run"
-    env = _env()
+    env = {**_env(), "XLA_FLAGS": SEVERAL_PROCESSES}
     overrides = [*mesh_runs.COMPARED, "model.compute_dtype=float32", "loop.steps=4",
                  f"loop.run_dir={run_dir}", "loop.progress=none", "loop.log_every=1"]
     procs = [subprocess.Popen([sys.executable, "-m", "megatrain_jax.cli", "train", "tiny",

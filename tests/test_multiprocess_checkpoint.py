@@ -33,7 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE
+from conftest import SEVERAL_PROCESSES
 
 from megatrain_jax.io import array_files, processes, saving
 from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError, complete_steps
@@ -181,7 +181,7 @@ def _train(run_dir: Path, devices: int, processes: int = 1, pause: int | None = 
     """`megatrain-jax train tiny` in `processes` processes of `devices` CPU devices each,
     sharing the test session's compilation cache; process 1 pauses in the save of `pause`."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}",
+           "XLA_FLAGS": f"{SEVERAL_PROCESSES} --xla_force_host_platform_device_count={devices}",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

@@ -6,7 +6,7 @@ The tests' programs are compiled without LLVM's optimizations (FAST_COMPILE): co
 running, is most of a tiny model's time, and unoptimized code takes about a third less
 compiling. The values differ from an optimized build's in the last bits; the streamed step and
 the reference it is compared with are compiled alike. The processes the tests start get the
-flag through the environment."""
+flag through the environment; runs of several processes get SEVERAL_PROCESSES."""
 
 import os
 

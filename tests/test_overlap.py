@@ -154,7 +154,7 @@ def test_speculative_updates_in_bfloat16_match_the_reference():
     params = {}
     for mode in ("off", "on"):
         cfg = _cfg(f"stream.speculate={mode}", "model.compute_dtype=bfloat16", "optim.lr=1e-3",
-                   "data.micro_batches=1")  # bf16 gradients (summed over two, fp32)
+                   "data.micro_batches=1")  # bf16 layer gradients (two sum in fp32)
         ref_state, ref_losses, state, losses, _, records = _train_both(cfg, 5)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
         assert max_rel_error(state.params, ref_state.params) <= 5e-2

@@ -12,8 +12,9 @@ import os
 
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 # Runs of several processes skip only LLVM's most expensive passes, as the whole suite once
-# did: a run of two processes compiled as above stopped making progress twice in about sixty
-# runs under load, and no run compiled this way has been seen to. The cause is not known.
+# did: a run of two processes compiled as above stopped making progress twice in about seventy
+# runs (both times beside other tests' load), and none compiled this way has been seen to. The
+# cause is not known.
 SEVERAL_PROCESSES = "--xla_llvm_disable_expensive_passes=true"
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):  # read when the CPU backend starts
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()

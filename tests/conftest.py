@@ -9,6 +9,7 @@ the reference it is compared with are compiled alike. The processes the tests st
 flag through the environment; runs of several processes get SEVERAL_PROCESSES."""
 
 import os
+import socket
 
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 # Runs of several processes skip only LLVM's most expensive passes, as the whole suite once
@@ -52,6 +53,25 @@ class Transfers(Tracer):
         if lane == "h2d":
             self.h2d.append(name)
         return super().issued(lane, name, tree)
+
+
+def process_env(xla_flags: str = FAST_COMPILE) -> dict:
+    """The environment of a process a test starts: this checkout's code first on the path, on
+    the CPU with `xla_flags`, and the test session's compilation cache (compilation_cache
+    below), every program kept: the processes build the programs the tests build."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags,
+            "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def free_port() -> int:
+    """A port no one listens on now, for a coordinator of several processes."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def normal(seed: int, shape, scale: float = 1.0) -> np.ndarray:

@@ -1,9 +1,9 @@
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from conftest import process_env
 
 from megatrain_jax.cli import main
 from megatrain_jax.config import load_config
@@ -12,14 +12,8 @@ from megatrain_jax.config import load_config
 def _run(*args, cwd=None):
     """The command in a process of its own, with the test session's compilation cache
     (conftest.py)."""
-    import jax
-
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir or ""),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return subprocess.run([sys.executable, "-m", "megatrain_jax.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "megatrain_jax.cli", *args], cwd=cwd,
+                          env=process_env(), capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("trainer", ["stream", "reference"])

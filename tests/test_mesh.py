@@ -5,9 +5,7 @@ subprocess (tests/mesh_runs.py) with XLA_FLAGS of its own.
 """
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,30 +15,15 @@ import pytest
 
 from megatrain_jax.train import train
 
-ROOT = Path(__file__).resolve().parent.parent
 RUNS = Path(__file__).resolve().parent / "mesh_runs.py"
 sys.path.insert(0, str(RUNS.parent))
 import mesh_runs  # noqa: E402
-from conftest import FAST_COMPILE, SEVERAL_PROCESSES  # noqa: E402
-
-
-def _env(**more) -> dict:
-    """A subprocess's environment: this checkout's code, on the CPU, with the test session's
-    compilation cache (conftest.py): the runs' trainers build the same programs again."""
-    import jax
-
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", **more}
-    env["XLA_FLAGS"] = f"{FAST_COMPILE} {more.get('XLA_FLAGS', '')}".strip()  # no device count
-    return env
+from conftest import SEVERAL_PROCESSES, free_port, process_env  # noqa: E402
 
 
 def run(devices: int, scenario: str, out: Path, *args, timeout: int = 600,
         background: bool = False):
-    env = _env()
+    env = process_env()  # its own device count: mesh_runs.py adds it
     command = [sys.executable, str(RUNS), str(devices), scenario, str(out), *map(str, args)]
     if background:
         return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
@@ -144,18 +127,12 @@ def test_the_nnx_example_runs_on_four_devices(four):
     assert "the model's own forward on the last batch" in lines[-1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_of_the_command_line_match_one_process(tmp_path):
     """`megatrain-jax train --coordinator … --processes 2 --process-id I`, one CPU device
     each: the same losses as this process on its one device; the first process writes the
     run's folder, the other only its log."""
-    port, run_dir = _free_port(), tmp_path / "run"
-    env = {**_env(), "XLA_FLAGS": SEVERAL_PROCESSES}
+    port, run_dir = free_port(), tmp_path / "run"
+    env = process_env(SEVERAL_PROCESSES)
     overrides = [*mesh_runs.COMPARED, "model.compute_dtype=float32", "loop.steps=4",
                  f"loop.run_dir={run_dir}", "loop.progress=none", "loop.log_every=1"]
     procs = [subprocess.Popen([sys.executable, "-m", "megatrain_jax.cli", "train", "tiny",

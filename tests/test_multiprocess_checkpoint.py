@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import SEVERAL_PROCESSES
+from conftest import SEVERAL_PROCESSES, free_port, process_env
 
 from megatrain_jax.io import array_files, processes, saving
 from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError, complete_steps
@@ -41,7 +40,6 @@ from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.saving import PAUSE_SAVE, Writer
 from megatrain_jax.train.stop import AgreedStop
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS, EVERY = 4, 2  # checkpoints 2 and 4; process 1 is killed while saving 4
 OVERRIDES = ["model.compute_dtype=float32", "model.attention=xla", "optim.lr=1e-2",
              f"loop.steps={STEPS}", f"loop.checkpoint_every={EVERY}", "loop.progress=none",
@@ -170,28 +168,17 @@ def test_each_shard_is_written_from_its_own_pinned_buffer():
     assert data.ctypes.data == buffer and not data.flags.writeable
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _train(run_dir: Path, devices: int, processes: int = 1, pause: int | None = None,
            *more: str) -> list[subprocess.Popen]:
     """`megatrain-jax train tiny` in `processes` processes of `devices` CPU devices each,
     sharing the test session's compilation cache; process 1 pauses in the save of `pause`."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{SEVERAL_PROCESSES} --xla_force_host_platform_device_count={devices}",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = process_env(f"{SEVERAL_PROCESSES} --xla_force_host_platform_device_count={devices}")
     command = [sys.executable, "-m", "megatrain_jax.cli", "train", "tiny", *OVERRIDES,
                f"loop.run_dir={run_dir}", *more]
     if processes == 1:
         return [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)]
-    port = _free_port()
+    port = free_port()
     return [subprocess.Popen(
         [*command, "--coordinator", f"localhost:{port}", "--processes", str(processes),
          "--process-id", str(i)],

@@ -12,11 +12,10 @@ import sys
 import threading
 import time
 import typing
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny
+from conftest import process_env, tiny
 
 from megatrain_jax.cli import main
 from megatrain_jax.config import Config, ConfigError
@@ -66,20 +65,6 @@ def lone(tmp_path_factory):
     return run
 
 
-def _subprocess_env():
-    """The environment of a CLI run in a subprocess: this checkout's code, on the CPU, with
-    the test session's compilation cache (conftest.py)."""
-    import jax
-
-    import megatrain_jax
-
-    checkout = str(Path(megatrain_jax.__file__).parents[1])
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=checkout,
-                JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-
-
 # ----- the run lock ------------------------------------------------------------------------------
 
 def test_a_second_train_on_a_held_folder_exits_2_naming_the_holder_and_the_first_is_intact(
@@ -104,7 +89,7 @@ def test_a_second_train_on_a_held_folder_exits_2_naming_the_holder_and_the_first
         second = subprocess.run(
             [sys.executable, "-m", "megatrain_jax.cli", "train", "tiny",
              *_args(run, "loop.steps=40", "optim.lr=0.002", "loop.accept_changes=true")],
-            env=_subprocess_env(), capture_output=True, text=True, timeout=300)
+            env=process_env(), capture_output=True, text=True, timeout=300)
     finally:
         go.set()
         first.join()
@@ -135,7 +120,7 @@ threading.Event().wait()
 
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)],
-                              env=_subprocess_env(), stdout=subprocess.PIPE, text=True)
+                              env=process_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunFolderInUse, match=f"in use by another train \\(pid {holder.pid} "):
@@ -279,7 +264,7 @@ def test_a_second_signal_stops_at_once_leaving_only_complete_checkpoints(tmp_pat
     args = _args(run, "loop.checkpoint_every=2")
     with open(tmp_path / "stderr", "w") as errors:
         process = subprocess.Popen([sys.executable, "-c", SAVE_HANGS, "train", "tiny", *args],
-                                   env=_subprocess_env(), stdout=subprocess.DEVNULL,
+                                   env=process_env(), stdout=subprocess.DEVNULL,
                                    stderr=errors)
     try:
         _wait_for(run / "checkpoints" / "4.partial", process)  # checkpoint 2 is complete

@@ -183,6 +183,11 @@ class StreamConfig:
     # first K layers' on pinned host), or auto (on the GPU as far as the placement leaves
     # room, the first layers' on pinned host beyond).
     saved_inputs: str = "auto"
+    # Host memory a checkpoint's capture copies the state into before training goes on (the
+    # disk write follows in the background): whole (a copy of all of it), a number of parts
+    # (embedding, layers, head) at a time, each part's update waiting for its own capture
+    # only, or auto (the planner: whole where the host has room).
+    save_staging: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,11 @@ class LoopConfig:
     # On SIGTERM or SIGINT the run stops after the step in flight; with stop_save it writes a
     # checkpoint of that step first (where the run writes checkpoints: loop.checkpoint_every).
     stop_save: bool = True
+    # The run's last step is saved when it ends (so that `export` and a requeue find it), even
+    # where loop.checkpoint_every=0 and stop_save=true saves on a signal alike.
+    final_checkpoint: bool = True
+    # Bit-for-bit repeatable runs: XLA's deterministic GPU ops, set before JAX starts (slower).
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,6 +261,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "stream.resident_layers": ("auto",),
     "stream.keep_layers": ("auto",),
     "stream.resident_embeddings": ("auto", "on", "off"),
+    "stream.save_staging": ("auto", "whole"),
     "loop.trainer": ("stream", "reference"),
     "loop.progress": ("auto", "bar", "plain", "none"),
     "loop.tensorboard": ("auto", "on", "off"),
@@ -258,7 +269,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # Choices that also take a number of layers instead (given as a whole number, kept as its
 # digits).
 COUNTS = ("stream.keep_weights", "stream.keep_attention", "stream.resident_layers",
-          "stream.keep_layers", "stream.saved_inputs")
+          "stream.keep_layers", "stream.saved_inputs", "stream.save_staging")
 
 
 def pinned(value: str) -> int | None:

@@ -53,12 +53,18 @@ def cmd_train(args) -> int:
     cfg = plan.resolved(cfg)  # the placement, decided once: the engine takes its numbers
     if cfg.loop.trainer == "stream":
         plan.set_pool_env(cfg)
+    if cfg.loop.deterministic:
+        from megatrain_jax.train.deterministic import set_env
+
+        set_env()  # read when JAX's backend starts
     if processes is not None:
         distributed.initialize(*processes)
         cfg = distributed.process_config(cfg)
     import jax
 
     from megatrain_jax.train import RunInterrupted, StopSignals, TrainingStopped, train
+    from megatrain_jax.train.accounting import time_line
+    from megatrain_jax.train.startup import kept
 
     def started(step: int) -> None:
         m = cfg.model
@@ -67,11 +73,11 @@ def cmd_train(args) -> int:
               f"device={jax.local_devices()[0].device_kind}, run_dir={cfg.loop.run_dir}"
               + (f", resuming at step {step}" if step else "")
               + (f"; placement: {plan.placement_summary(cfg)}"
-                 if cfg.loop.trainer == "stream" else ""), file=sys.stderr)
+                 if cfg.loop.trainer == "stream" else "")
+              + f"; keeps {kept(cfg)}", file=sys.stderr)
 
-    saves = cfg.loop.stop_save and cfg.loop.checkpoint_every > 0
     try:
-        with StopSignals(saves) as stop:
+        with StopSignals(cfg.loop.stop_save) as stop:
             summary = train(cfg, on_start=started, stop=stop)
     except TrainingStopped as e:
         print(f"megatrain-jax: {e}", file=sys.stderr)
@@ -80,9 +86,14 @@ def cmd_train(args) -> int:
         print(f"megatrain-jax: {e}", file=sys.stderr)
         return e.status
     if summary.pop("finished_before", False):
-        print(f"megatrain-jax: {cfg.loop.run_dir} is finished: its checkpoint {summary['steps']} "
-              f"is its last step (loop.steps={cfg.loop.steps}); nothing to do. Raise loop.steps "
+        held = (f"its checkpoint {summary['steps']} is its last step"
+                if summary["checkpoint"] is not None else
+                "its records reach its last step and it kept no checkpoint")
+        print(f"megatrain-jax: {cfg.loop.run_dir} is finished: {held} (loop.steps="
+              f"{cfg.loop.steps}); nothing to do, nothing written. Raise loop.steps "
               "to train on.", file=sys.stderr)
+    elif "time" in summary:
+        print(f"megatrain-jax: {time_line(summary)}; kept {summary['kept']}", file=sys.stderr)
     summary.pop("state", None)
     print(json.dumps(summary))
     return 0

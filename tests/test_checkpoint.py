@@ -116,15 +116,18 @@ def test_checkpoint_of_another_model_is_refused_with_the_difference(tmp_path):
         train(_cfg(tmp_path, "loop.steps=4"))
 
 
-@pytest.mark.parametrize("trainer", ["stream_resident", "reference"])
-def test_a_save_copies_the_gpu_state_one_array_at_a_time_while_training_goes_on(
-        tmp_path, monkeypatch, trainer):
-    """Arrays in GPU memory are copied to the host by the writer, one at a time, not when the
-    save starts; the next step's update, which donates them, waits until the save has read
-    them, and the checkpoint holds the state as it was when the save began."""
+@pytest.mark.parametrize("trainer, parts", [("stream", None), ("stream_resident", None),
+                                           ("stream_resident", 1), ("reference", None)])
+def test_a_save_captures_the_state_and_writes_it_while_training_goes_on(
+        tmp_path, monkeypatch, trainer, parts):
+    """A save copies the state into its staging area and returns: the next steps run, and
+    update the state (in place on the host, by donation on the GPU), while no file of the
+    save is written yet; the checkpoint holds the state of its step, bit for bit. Part by part
+    (one part staged at a time), a step's update waits for its parts' capture, which waits for
+    the disk, and the checkpoint is the same."""
     import threading
 
-    from megatrain_jax.io import array_files, saving
+    from megatrain_jax.io import array_files
     from megatrain_jax.io.data import TokenSource
 
     cfg = _cfg(tmp_path, "loop.steps=2", "stream.resident_embeddings=on", *TRAINERS[trainer])
@@ -134,39 +137,36 @@ def test_a_save_copies_the_gpu_state_one_array_at_a_time_while_training_goes_on(
     state, _ = run.train_step(state, data.batch_at(0))
     tree = run.state_tree(state)
     before = jax.tree.map(lambda a: np.array(a, copy=True), tree)
-    on_gpu = [leaf for leaf in jax.tree.leaves(tree) if memory_kinds(leaf) == {"device"}]
-    assert on_gpu
-    deferred = [piece for source in saving.sources(on_gpu, whole=True)
-                for _, _, pieces, _ in source["shards"] for piece in pieces]
-    assert all(isinstance(piece, array_files.DeviceRead) for piece in deferred)  # none copied
+    assert {"device"} in [memory_kinds(leaf) for leaf in jax.tree.leaves(tree)]
 
-    release, copying, held = threading.Event(), threading.Lock(), [0, 0]
-    read = array_files.DeviceRead.__call__
+    release, write = threading.Event(), array_files.write_array
 
-    def slow_read(self):  # the first device array waits; copies alive at once are counted
+    def held_write(path, pieces, dtype):  # no file is written until the test says so
         release.wait()
-        with copying:
-            held[0] += 1
-            held[1] = max(held)
-        try:
-            return read(self)
-        finally:
-            with copying:
-                held[0] -= 1
+        return write(path, pieces, dtype)
 
-    monkeypatch.setattr(array_files.DeviceRead, "__call__", slow_read)
-    ckpt = Checkpointer(tmp_path / "checkpoints")
+    monkeypatch.setattr(array_files, "write_array", held_write)
+    ckpt = Checkpointer(tmp_path / "checkpoints", staging_parts=parts)
     ckpt.save(1, tree, {"step": 1})
-    stepped = []
-    step = threading.Thread(target=lambda: stepped.append(run.train_step(
-        state, data.batch_at(1), before_write=ckpt.wait_written)))
-    step.start()
-    step.join(0.5)
-    assert step.is_alive()  # its update waits for the save to read the GPU's arrays
+
+    def steps():
+        nonlocal state
+        for n in (1, 2):
+            state, _ = run.train_step(state, data.batch_at(n), before_write=ckpt.wait_captured)
+        jax.block_until_ready(jax.tree.leaves(run.state_tree(state.wait() if hasattr(
+            state, "wait") else state)))
+
+    stepping = threading.Thread(target=steps)
+    stepping.start()
+    stepping.join(None if parts is None else 1.0)
+    assert stepping.is_alive() == (parts is not None)  # part by part, the disk paces it
+    assert ckpt.saving() == 1
     release.set()
-    step.join()
+    stepping.join()
     ckpt.wait()
-    assert stepped and 1 <= held[1] <= 4
+    after = jax.tree.leaves(run.state_tree(state))
+    assert any(not np.array_equal(x, np.asarray(y)) for x, y in zip(jax.tree.leaves(before),
+                                                                      after))
     restored, _ = ckpt.restore(1, run.abstract_state())
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(x, np.asarray(y))

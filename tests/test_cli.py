@@ -97,7 +97,7 @@ def test_a_checkpoint_error_is_named_and_exits_3(tmp_path, capsys):
     save_config(load_config("tiny"), tmp_path / "config.json")  # a run with no checkpoint
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 3
     err = capsys.readouterr().err
-    assert err.startswith("megatrain-jax: checkpoint error:") and "no complete checkpoint" in err
+    assert err.startswith("megatrain-jax: checkpoint error:") and "kept no checkpoint" in err
 
 
 def test_the_help_names_every_config_section():

@@ -38,6 +38,7 @@ from megatrain_jax.io import array_files, processes, saving
 from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError, complete_steps
 from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.saving import PAUSE_SAVE, Writer
+from megatrain_jax.io.staging import Staging
 from megatrain_jax.train.stop import AgreedStop
 
 STEPS, EVERY = 4, 2  # checkpoints 2 and 4; process 1 is killed while saving 4
@@ -87,7 +88,7 @@ def _save_by_threads(folder: Path, step: int, running=(0, 1), nan_in=None) -> di
                     "shards": [(region, f"w@0.{3 * index}.bin",
                                 [array_files.byte_view(block)], np.dtype(np.float32))]}]
         try:
-            Writer(folder, pool, peers).save(step, sources, {"step": step}, threading.Event())
+            Writer(folder, pool, peers).save(step, Staging().capture(sources), {"step": step})
             outcome[index] = "ok"
         except Exception as e:
             outcome[index] = e

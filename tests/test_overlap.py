@@ -174,6 +174,11 @@ def test_the_policy_stops_speculating_when_every_step_clips():
     assert [m["speculating"] for m in records] == [1.0] * 3
 
 
+def _held(release, part=None):
+    """A save capturing every part until `release` is set."""
+    release.wait()
+
+
 def test_speculative_updates_not_started_by_the_backward_end_are_dropped_changing_no_bit(
         monkeypatch):
     """The worker held until the backward's end (a `before_write` that waits): every
@@ -188,7 +193,8 @@ def test_speculative_updates_not_started_by_the_backward_end_are_dropped_changin
         state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
         for step in range(3):
             release = threading.Event()
-            state, _ = trainer.train_step(state, data.batch_at(step), before_write=release.wait)
+            state, _ = trainer.train_step(state, data.batch_at(step),
+                                          before_write=functools.partial(_held, release))
             release.set()
             state.wait()
             if mode == "on":  # speculative updates were submitted, and all came too late
@@ -203,7 +209,8 @@ def test_speculative_updates_not_started_by_the_backward_end_are_dropped_changin
     data, trainer = TokenSource(cfg), StreamTrainer(cfg)
     state = trainer.init(None, params=model.init(cfg.model, jax.random.key(0)))
     release = threading.Event()
-    state, m = trainer.train_step(state, data.batch_at(0), before_write=release.wait)
+    held = lambda part=None: release.wait()  # a save capturing every part
+    state, m = trainer.train_step(state, data.batch_at(0), before_write=held)
     release.set()
     update = state.wait().pending
     assert float(m["grad_norm"]) > 0.8
@@ -242,8 +249,9 @@ def _held_speculation(sums, clip_norm):
     """A StepUpdate given parts whose running sums of squares are `sums` (in the backward's
     order) while its worker is held: (the parts it updated, in order; those it speculated)."""
     host, release, place = _Recording(), threading.Event(), Placement()
+    held = lambda part=None: release.wait()  # a save capturing every part
     update = speculation.StepUpdate(host, clip_norm, speculate=True,
-                                    before_write=release.wait)
+                                    before_write=held)
     landed = [jax.block_until_ready(place.to_host(jnp.float32(sq))) for sq in sums]
     for k, sq in enumerate(landed):
         update.gradient_ready(f"part {k}", {"name": f"part {k}"}, None, None, sq)

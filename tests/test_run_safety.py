@@ -521,3 +521,62 @@ def test_text_documents_end_with_the_end_of_text_token_not_a_chat_marker(chat_to
     tok = Tokenizer.from_file(str(chat_tokenizer / "tokenizer.json"))
     assert ids == tok.encode("hello world").ids + [tok.token_to_id("<|endoftext|>")]
     assert meta["end_of_text_id"] == tok.token_to_id("<|endoftext|>")
+
+
+# ----- what a run keeps with loop.checkpoint_every=0 -------------------------------------------
+
+def test_sigterm_without_checkpoint_every_saves_the_step_and_the_rerun_continues_bit_for_bit(
+        lone, tmp_path, monkeypatch, capsys):
+    run, batch_at, sent = tmp_path / "run", train_loop.TokenSource.batch_at, []
+    args = ["train", "tiny", *_args(run, "loop.checkpoint_every=0", "loop.log_every=1")]
+
+    def signalling(self, step):
+        if step == 2 and not sent:  # as step 3 begins
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        return batch_at(self, step)
+
+    monkeypatch.setattr(train_loop.TokenSource, "batch_at", signalling)
+    assert main(args) == 143
+    assert _last_line(capsys).endswith(f"checkpoint 3 is complete in {run / 'checkpoints'}; run "
+                                       "the same command to resume.")
+    assert main(args) == 0
+    resumed, straight = _losses(run), _losses(lone)
+    assert sorted(resumed) == list(range(1, 9)) and all(resumed[s] == straight[s] for s in resumed)
+    assert complete_steps(run / "checkpoints") == [3, 8]  # the final step kept by default
+    assert _checksums(run, 8) == _checksums(lone, 8)
+
+
+def test_a_finished_run_without_checkpoint_every_exports_and_its_rerun_touches_nothing(
+        tmp_path, capsys):
+    kept, bare = tmp_path / "kept", tmp_path / "bare"
+    assert main(["train", "tiny", *_args(kept, "loop.checkpoint_every=0")]) == 0
+    err = capsys.readouterr().err
+    assert f"keeps a checkpoint of its last step in {kept / 'checkpoints'}" in err
+    assert complete_steps(kept / "checkpoints") == [8]
+    assert main(["export", str(kept), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").exists()
+    off = ("loop.checkpoint_every=0", "loop.final_checkpoint=false", "loop.stop_save=false")
+    assert main(["train", "tiny", *_args(bare, *off)]) == 0
+    assert "kept no checkpoint (loop.checkpoint_every=0" in capsys.readouterr().err
+    for run, more in ((kept, ("loop.checkpoint_every=0",)), (bare, off)):
+        outputs = [p for p in run.rglob("*") if p.is_file() and p.name != "run.lock"]
+        before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in outputs}
+        assert main(["train", "tiny", *_args(run, *more)]) == 0
+        assert f"{run} is finished" in capsys.readouterr().err
+        assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in outputs} == before
+        assert sorted(p for p in run.rglob("*") if p.is_file() and p.name != "run.lock") == \
+            sorted(outputs)
+    assert main(["export", str(bare), str(tmp_path / "hf2")]) == 3
+    line = _last_line(capsys)
+    assert f"{bare} holds no checkpoints folder" in line and "loop.final_checkpoint" in line
+
+
+def test_the_summary_splits_the_run_time_and_adds_up_to_its_wall_time(lone, tmp_path, capsys):
+    summary = json.loads((lone / "summary.json").read_text())
+    split = summary["time"]
+    parts = ("startup_s", "compile_s", "steps_s", "save_stall_s", "eval_s", "other_s")
+    assert all(split[k] >= 0 for k in parts) and split["save_stall_s"] > 0
+    assert sum(split[k] for k in parts) == pytest.approx(split["wall_s"], abs=0.01)
+    assert split["other_s"] < 0.2 * split["wall_s"]  # nothing large left unaccounted
+    step_s = tiny().data.tokens_per_step / summary["step_tokens_per_s"]  # the steps' median
+    assert summary["goodput"] == pytest.approx(8 * step_s / split["wall_s"], rel=1e-3)

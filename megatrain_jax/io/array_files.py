@@ -54,7 +54,7 @@ def host_bytes(array) -> np.ndarray:
     return in_hand([readable(array)])[0]
 
 
-def _in_host_memory(array) -> bool:
+def in_host_memory(array) -> bool:
     return array.sharding.memory_kind != next(iter(array.devices())).default_memory().kind
 
 
@@ -65,7 +65,7 @@ def _host_view(array) -> np.ndarray | None:
     row_major = major_to_minor is None or tuple(major_to_minor) == tuple(range(array.ndim))
     nbytes = int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
     array.block_until_ready()
-    if not (_in_host_memory(array) and row_major and nbytes):
+    if not (in_host_memory(array) and row_major and nbytes):
         return None
     raw = (ctypes.c_uint8 * nbytes).from_address(array.unsafe_buffer_pointer())
     view = np.ctypeslib.as_array(raw)
@@ -89,7 +89,7 @@ class DeviceRead:
         host = mapped_empty(array.shape, array.dtype)
         if array.size == 0:
             return byte_view(host)
-        if _in_host_memory(array):  # a host buffer in another layout: NumPy reorders it
+        if in_host_memory(array):  # a host buffer in another layout: NumPy reorders it
             host[...] = np.asarray(array)
             return byte_view(host)
         if array.ndim == 0:
@@ -113,6 +113,18 @@ def _slicer(size: int):
     import jax
 
     return jax.jit(lambda a, start: jax.lax.dynamic_slice_in_dim(a, start, size))
+
+
+class Staged:
+    """A device array's copy in pinned host memory, on its way (checkpoint staging): read
+    where it lands, with no further copy, once the transfer is complete."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __call__(self) -> np.ndarray:
+        view = _host_view(self.array)  # waits for the transfer
+        return view if view is not None else DeviceRead(self.array)()
 
 
 def readable(array) -> np.ndarray | DeviceRead:
@@ -141,8 +153,8 @@ def host_pieces(array) -> list:
 
 
 def in_hand(pieces: list) -> list[np.ndarray]:
-    """`pieces` with every deferred one read (`DeviceRead`)."""
-    return [piece() if isinstance(piece, DeviceRead) else piece for piece in pieces]
+    """`pieces` with every deferred one read (`DeviceRead`, `Staged`)."""
+    return [piece() if isinstance(piece, (DeviceRead, Staged)) else piece for piece in pieces]
 
 
 def drop_cache(fd: int) -> None:

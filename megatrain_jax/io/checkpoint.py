@@ -1,8 +1,8 @@
 """Checkpoints of the training state: written from the host buffers, checksummed, verified.
 
     ckpt = Checkpointer(run_dir / "checkpoints", keep=3)
-    ckpt.save(step, tree, meta)       # returns once the write is under way
-    ckpt.wait_written()               # the state's buffers are no longer read: update them
+    ckpt.save(step, tree, meta)       # returns once the capture is under way
+    ckpt.wait_captured("layer 3")     # that part is copied: its buffers may be written again
     ckpt.wait()                       # on disk, read back, verified, the oldest ones deleted
     tree, meta = ckpt.restore(step, target)   # target: ShapeDtypeStructs with shardings
 
@@ -26,14 +26,14 @@ STEP.partial/part-I.json; the first process, told by every other that its part i
 (processes.py), checks that the parts tile every array and renames the folder. Until then the
 step is not visible, whichever process dies.
 
-Host memory: arrays in host memory (the streaming engine's pinned state) are read straight
-from their buffers, in chunks, with no copy, while training goes on. Arrays in device memory
-(the state the GPU holds) are copied to the host one at a time, each by the thread that
-writes it, and freed once written: a save holds at most THREADS of them in host memory, never
-a second copy of the state. Either way the caller must not write or donate the state's arrays
-until `wait_written()` returns. (orbax-checkpoint, used before, copies the state to host
-arrays to write it and checks no data on restore: its zarr3 format checksums shard indexes
-only.)
+Host memory: a save first captures the state into a staging area (staging.py): arrays the
+GPU holds are copied to pinned host memory at the link's speed, arrays in host memory copied
+by threads into buffers kept from save to save. Training goes on at once; a part's update
+waits only until that part is captured (`wait_captured`). The files are then written from the
+staging area in the background. Where the host has no room for a copy of the state
+(`parts`), K parts are staged at a time and the later parts wait for the disk. (orbax-checkpoint,
+used before, copies the state to host arrays to write it and checks no data on restore: its
+zarr3 format checksums shard indexes only.)
 """
 
 from __future__ import annotations
@@ -41,18 +41,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from megatrain_jax.io import manifests, saving, shards
-from megatrain_jax.io.array_files import Damaged
+from megatrain_jax.io.array_files import Damaged, Staged
 from megatrain_jax.io.checksum import Checksum
 from megatrain_jax.io.manifests import MANIFEST, CheckpointError, complete_steps
 from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.saving import Writer
+from megatrain_jax.io.staging import Capture, Staging
 from megatrain_jax.stream.placement import assemble
 
 __all__ = ["Checkpointer", "CheckpointError", "complete_steps", "foreign_steps", "free_bytes",
@@ -99,16 +100,19 @@ def tree_bytes(tree) -> int:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, keep: int = 3):
+    def __init__(self, directory: str | Path, keep: int = 3, staging_parts: int | None = None):
         self.directory = Path(directory).absolute()
         self.keep = keep
+        self.staging_parts = staging_parts  # parts staged at a time; None: the whole state
+        self.no_room: str | None = None  # why the disk cannot take a checkpoint, if it cannot
+        self.write_seconds: list[float] = []  # each save's background work, capture to publish
         self._runner = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="checkpoint-io")
         self._job: Future | None = None
         self._job_step: int | None = None
         self._peers: Peers | None = None  # the run's other processes, met at the first save
-        self._written = threading.Event()
-        self._written.set()
+        self._staging = Staging()
+        self._capture: Capture | None = None
         Checksum(np.float32).update(np.zeros(8, np.uint8))  # the kernel, loaded (or compiled)
         # now rather than at the first save, whose host memory would then grow by its code
 
@@ -133,28 +137,52 @@ class Checkpointer:
 
     # ----- saving ----------------------------------------------------------------------------
 
-    def save(self, step: int, tree, meta: dict) -> None:
-        """Starts writing `tree` and `meta` as checkpoint `step`, once the previous save has
-        ended (its error, if any, is raised here). In a run of several processes every
-        process calls it, for the same step, with its own arrays of the same tree."""
+    def save(self, step: int, tree, meta: dict) -> float:
+        """Captures `tree` (staging.py) and starts writing it and `meta` as checkpoint `step`,
+        once the previous save has ended (its error, if any, is raised here); returns the
+        seconds it waited for that save. In a run of several processes every process calls
+        it, for the same step, with its own arrays of the same tree."""
         import jax
 
+        waiting = time.perf_counter()
         self.wait()
+        waited = time.perf_counter() - waiting
         if self._peers is None and jax.process_count() > 1:
             self._peers = Peers.of_this_run()
         sources = saving.sources(tree, whole=self._peers is None)
-        self._written = threading.Event()
-        self._job = self._runner.submit(self._save, step, sources, meta, self._written)
+        self._capture = self._staging.capture(sources, self.staging_parts)
+        self._job = self._runner.submit(self._save, step, self._capture, meta)
         self._job_step = step
+        return waited
+
+    def prepare(self, tree) -> None:
+        """Captures `tree` once in the background, writing nothing, so that the staging area
+        exists before the first save (pinned memory is slow to allocate the first time, fast
+        to reuse): that save then costs the run what the later ones do. The updates wait for
+        it part by part, as after a save."""
+        import jax
+
+        sources = saving.sources(tree, whole=jax.process_count() == 1)
+        self._capture = self._staging.capture(sources, self.staging_parts)
+        self._job = self._runner.submit(_rehearse, self._capture)
+        self._job_step = None
 
     def saving(self) -> int | None:
         """The step of the save still under way (not yet verified and visible), else None."""
         job = self._job
         return self._job_step if job is not None and not job.done() else None
 
-    def wait_written(self) -> None:
-        """Returns once the last save has read all it writes from the state's buffers."""
-        self._written.wait()
+    def capturing(self) -> bool:
+        """Whether the last save is still capturing the state."""
+        capture = self._capture
+        return capture is not None and not capture.captured()
+
+    def wait_captured(self, part: str | None = None) -> None:
+        """Returns once the last save has captured `part` (a part's name as the streaming
+        engine gives it; None: every part): its buffers may be written or donated."""
+        capture = self._capture
+        if capture is not None:
+            capture.wait(part)
 
     def failed(self) -> Exception | None:
         """The error of the last save, if it has already ended with one (does not wait)."""
@@ -167,7 +195,10 @@ class Checkpointer:
         `keep` deleted; raises its error."""
         job, self._job = self._job, None
         if job is not None:
-            job.result()
+            try:
+                job.result()
+            finally:
+                self._capture = None
 
     def close(self) -> None:
         try:
@@ -175,9 +206,12 @@ class Checkpointer:
         finally:
             self._runner.shutdown()
             self._pool.shutdown()
+            self._staging.close()
 
-    def _save(self, step: int, sources: list, meta: dict, written: threading.Event) -> None:
-        Writer(self.directory, self._pool, self._peers).save(step, sources, meta, written)
+    def _save(self, step: int, capture: Capture, meta: dict) -> None:
+        began = time.perf_counter()
+        Writer(self.directory, self._pool, self._peers).save(step, capture, meta)
+        self.write_seconds.append(time.perf_counter() - began)
         if self._peers is None or self._peers.main:
             for old in self.steps()[:-self.keep]:
                 shutil.rmtree(self.directory / str(old), ignore_errors=True)
@@ -252,3 +286,16 @@ class Checkpointer:
             return " No earlier checkpoint is left."
         return (f" Earlier checkpoints are untouched ({older}): move {self.directory / str(step)}"
                 f" away to resume from step {older[-1]}.")
+
+
+def _rehearse(capture) -> None:
+    """Takes every part of `capture` and lets it go unwritten, once its copies have landed."""
+    for group in capture.groups():
+        capture.take(group)
+        for source in group.sources:
+            for _, _, pieces, _ in source["shards"]:
+                for piece in pieces:
+                    if isinstance(piece, Staged):
+                        piece.array.block_until_ready()
+        capture.release(group)
+    capture.abandon()

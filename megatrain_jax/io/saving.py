@@ -2,7 +2,8 @@
 saves, run on its background thread).
 
     sources = sources(tree, whole=True)       # what each array's files will hold
-    Writer(directory, pool, peers).save(step, sources, meta, written)
+    capture = staging.capture(sources)        # staging.py: copied, training goes on
+    Writer(directory, pool, peers).save(step, capture, meta)
 
 One process: STEP.partial/ is made, every file written and read back, the manifest written,
 the folder renamed to STEP. Several (`peers`): the first makes STEP.partial/; each process
@@ -29,6 +30,7 @@ from megatrain_jax.io import array_files, manifests, shards
 from megatrain_jax.io.array_files import Damaged, NonFinite
 from megatrain_jax.io.manifests import MANIFEST, CheckpointError, PartsDisagree, complete_steps
 from megatrain_jax.io.processes import PeerFailed, Peers
+from megatrain_jax.io.staging import Capture, when_done
 
 # Tests of a process killed mid-save set this to a step: in a run of several processes, that
 # step's save stops once this process's files are written and verified, before it says so.
@@ -78,26 +80,25 @@ class Writer:
     def __init__(self, directory: Path, pool: ThreadPoolExecutor, peers: Peers | None):
         self.directory, self._pool, self._peers = directory, pool, peers
 
-    def save(self, step: int, sources: list, meta: dict, written: threading.Event) -> None:
-        """Writes checkpoint `step`; sets `written` once the state's buffers are read. Raises
-        the one error the run reports (CheckpointError for what it can name)."""
+    def save(self, step: int, capture: Capture, meta: dict) -> None:
+        """Writes checkpoint `step` from `capture` (staging.py), part by part as each is
+        captured. Raises the one error the run reports (CheckpointError for what it can
+        name)."""
         partial = self.directory / f"{step}.partial"
         try:
             if self._peers is None:
-                self._save_alone(step, partial, sources, meta, written)
+                self._save_alone(step, partial, capture, meta)
             else:
-                self._save_together(step, partial, sources, meta, written)
+                self._save_together(step, partial, capture, meta)
         except BaseException as e:
             raise self._failure(step, e) from None
         finally:
-            written.set()  # also where the writes never started
-            sources.clear()
+            capture.abandon()  # also where the writes never started
 
-    def _save_alone(self, step: int, partial: Path, sources: list, meta: dict,
-                    written: threading.Event) -> None:
+    def _save_alone(self, step: int, partial: Path, capture: Capture, meta: dict) -> None:
         try:
             self._start_partial(partial)
-            arrays = self._write_part(step, partial, sources, written)
+            arrays = self._write_part(step, partial, capture)
             array_files.write_file(partial / MANIFEST, manifests.manifest_bytes(step, meta,
                                                                                 arrays))
             self._publish(step, partial)
@@ -105,8 +106,7 @@ class Writer:
             shutil.rmtree(partial, ignore_errors=True)
             raise
 
-    def _save_together(self, step: int, partial: Path, sources: list, meta: dict,
-                       written: threading.Event) -> None:
+    def _save_together(self, step: int, partial: Path, capture: Capture, meta: dict) -> None:
         """The save of one process of several: the first makes STEP.partial, each writes and
         verifies its part and says so, and the first publishes the step when every part is
         there (or removes the folder and passes on the first failure)."""
@@ -118,7 +118,7 @@ class Writer:
             peers.hear(f"{key}/started", 0)
 
         def write_part():
-            arrays = self._write_part(step, partial, sources, written)
+            arrays = self._write_part(step, partial, capture)
             if os.environ.get(PAUSE_SAVE) == str(step):
                 (partial / f"paused-{peers.process}").touch()
                 threading.Event().wait()  # until the test kills this process
@@ -165,15 +165,14 @@ class Writer:
             shutil.rmtree(stale)
         partial.mkdir(parents=True)
 
-    def _write_part(self, step: int, partial: Path, sources: list,
-                    written: threading.Event) -> list[dict]:
-        """Writes this process's arrays (or shards of them) into `partial`, reads them back
-        and checks them; returns their manifest entries."""
+    def _write_part(self, step: int, partial: Path, capture: Capture) -> list[dict]:
+        """Writes this process's arrays (or shards of them) into `partial` as their parts are
+        captured, reads them back and checks them; returns their manifest entries."""
 
         def write(item) -> dict:
             name, shard = item
             region, file, data, dtype = shard
-            data = array_files.in_hand(data)  # a device array's host copy, this one's alone
+            data = array_files.in_hand(data)  # a staged copy, read where it landed
             try:
                 checksum = array_files.write_array(partial / file, data, dtype)
             except NonFinite:
@@ -181,17 +180,25 @@ class Writer:
             return {"region": [list(r) for r in region], "file": file,
                     "bytes": sum(int(piece.size) for piece in data), "checksum": checksum}
 
+        jobs = []
         try:
-            jobs = [(source, [self._pool.submit(write, (source["name"], shard))
-                              for shard in source["shards"]]) for source in sources]
-            wait([job for _, shard_jobs in jobs for job in shard_jobs])  # all of them: none
-            # may still read the state after `written`
+            for group in capture.groups():
+                if any(job.done() and job.exception() for _, shard_jobs in jobs
+                       for job in shard_jobs):
+                    break  # a write failed: capture no more
+                capture.take(group)
+                group_jobs = [(source, [self._pool.submit(write, (source["name"], shard))
+                                        for shard in source["shards"]])
+                              for source in group.sources]
+                when_done([job for _, shard_jobs in group_jobs for job in shard_jobs],
+                           lambda group=group: capture.release(group))
+                jobs += group_jobs
+            wait([job for _, shard_jobs in jobs for job in shard_jobs])
             arrays = [{"key": source["key"], "shape": source["shape"], "dtype": source["dtype"],
                        "shards": [job.result() for job in shard_jobs]}
                       for source, shard_jobs in jobs]
         finally:
-            written.set()
-            sources.clear()
+            capture.abandon()
 
         def verify(item) -> None:
             dtype, shard = item

@@ -214,9 +214,9 @@ class StreamEngine:
                                               tracer or Tracer(), on_gradient)
 
     def train_step(self, state: StreamState, batch: dict, *, tracer: Tracer | None = None,
-                   before_write: Callable[[], None] | None = None) -> tuple[StreamState, dict]:
-        """One step. `before_write` is called before the update may write the state (a
-        checkpoint still reading it waits there)."""
+                   before_write: Callable | None = None) -> tuple[StreamState, dict]:
+        """One step. `before_write(part)` is called before the update may write a part's
+        state (`before_write(None)`: all of it): a checkpoint still capturing it waits there."""
         tracer = tracer or Tracer()
         start = time.perf_counter()
         update, on_gradient = None, None
@@ -258,7 +258,7 @@ class StreamEngine:
         metrics.update({f"time_{name}": s for name, s in timings.items()})
         return new_state, metrics
 
-    def _renew(self, state: StreamState, before_write: Callable[[], None] | None):
+    def _renew(self, state: StreamState, before_write: Callable | None):
         """`state` with its host weights in new buffers, once its update is written and a
         checkpoint reading them is done. The in-place host update is the one path whose
         weight buffers live on from step to step (a device update makes new ones)."""
@@ -309,9 +309,9 @@ class StreamEngine:
                 update.settle(names[k], p, g, s, skipped, host_scale)
         update.close()
         if not skipped:
-            if self.placement.resident_layers or self.placement.resident_embeddings:
-                # A save may still be reading the state these updates donate.
-                wait_for_checkpoint(update.before_write, tracer)
+            resident = [names[k] for k in range(len(names)) if self.placement.is_resident(k)]
+            if resident:  # a save may still be capturing the state these updates donate
+                wait_for_checkpoint(update.before_write, tracer, resident)
             params, opt_state = self._resident_updates(params, grads, opt_state, scale, skip,
                                                        tracer)
         new_state = StreamState(params, opt_state, state.step + 1, update)

@@ -88,7 +88,7 @@ class StepUpdate:
     """The host update of one step: the update queue plus the speculative updates on it."""
 
     def __init__(self, host_optimizer, clip_norm: float, speculate: bool,
-                 tracer: Tracer | None = None, before_write: Callable[[], None] | None = None):
+                 tracer: Tracer | None = None, before_write: Callable | None = None):
         self.host, self.clip_norm, self.speculate = host_optimizer, clip_norm, speculate
         self.queue = UpdateQueue(tracer)
         self.tracer = self.queue.tracer
@@ -104,9 +104,8 @@ class StepUpdate:
         self._wrong_from = math.inf  # the first part known to clip or skip, by index
         self._lock = threading.Lock()
         self._stopped = False  # by settle: the speculative updates not yet taken are too late
-        self.before_write = before_write  # the resident parts' update waits on it too
-        if before_write is not None:  # a checkpoint reading the state finishes first
-            self.queue.submit("checkpoint", before_write)
+        # A checkpoint capturing the state: each part's update waits for that part's capture.
+        self.before_write = before_write
 
     # ----- during the backward -------------------------------------------------------------
 
@@ -130,6 +129,7 @@ class StepUpdate:
             self._untaken.remove(i)
             part, params, grads, opt_state = self._handed[i]
             self._handed[i] = None
+        self._captured(part)  # a save capturing the part comes first
         if self._stopped or not self._may_speculate(i):
             return f"{part}: not speculated"
         self.host.update(params, grads, opt_state, 1.0)
@@ -160,6 +160,7 @@ class StepUpdate:
             self._stopped = True  # the speculative updates not started yet are dropped
 
         def work():
+            self._captured(part)
             if part in self.speculated:
                 if speculation_stands:
                     return
@@ -173,6 +174,11 @@ class StepUpdate:
 
     def close(self) -> None:
         self.queue.close()
+
+    def _captured(self, part: str) -> None:
+        """Waits until a checkpoint under way has captured `part`: its update writes it."""
+        if self.before_write is not None:
+            self.before_write(part)
 
     # ----- what the next step and the state read (the queue's interface) -------------------
 

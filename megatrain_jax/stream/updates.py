@@ -175,10 +175,13 @@ class UpdateQueue:
                     self._all_done.set()
 
 
-def wait_for_checkpoint(before_write: Callable[[], None] | None, tracer: Tracer) -> None:
-    """Waits, timed in the trace, until a checkpoint under way has read the state's buffers
-    (before_write): the update about to run writes or donates them."""
+def wait_for_checkpoint(before_write: Callable | None, tracer: Tracer,
+                        parts: list[str] | None = None) -> None:
+    """Waits, timed in the trace, until a checkpoint under way has captured the state of
+    `parts` (every part's for None) (before_write): the update about to run writes or donates
+    their buffers."""
     if before_write is not None:
         waiting = time.perf_counter()
-        before_write()
+        for part in [None] if parts is None else parts:
+            before_write(part)
         tracer.waited("checkpoint", waiting)

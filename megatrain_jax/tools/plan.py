@@ -36,6 +36,7 @@ from megatrain_jax.planning.roofline import (  # no JAX
     host_params,
     update_bytes,
 )
+from megatrain_jax.planning.staging import staging_pinned_bytes
 from megatrain_jax.tools.probe import (
     gpu_memory_bytes,
     gpu_name,
@@ -326,10 +327,12 @@ def _state_overflows(cfg: Config, host: int | None, gpu: int | None) -> bool:
 
 
 def set_pool_env(cfg: Config, measuring: bool = False) -> None:
-    """Sizes XLA's pinned host pool for a resolved cfg (`resolved`) and its share of the GPU
-    before JAX starts; a value already in the environment wins."""
+    """Sizes XLA's pinned host pool (the host state and a save's capture of the GPU's) and the
+    GPU's share for a resolved cfg before JAX starts; a value in the environment wins."""
+    devices = planned_devices(cfg)
+    held = pinned_bytes(cfg) + devices * staging_pinned_bytes(cfg, devices)
     os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
-                          str(pool_limit_gib(cfg, pinned_bytes(cfg), measuring)))
+                          str(pool_limit_gib(cfg, held, measuring)))
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_FRACTION))
 
 

@@ -41,12 +41,23 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None:
-            raise CheckpointError(f"{run_dir / 'checkpoints'} holds no complete checkpoint; "
-                                  "train with loop.checkpoint_every=N to write some.")
+            raise CheckpointError(_no_checkpoint(run_dir, cfg))
         params = read_params(ckpt, step, cfg)
     finally:
         ckpt.close()
     return export_params(params, cfg, out_dir, dtype, progress)
+
+
+def _no_checkpoint(run_dir: Path, cfg: Config) -> str:
+    """Why a run has nothing to export, naming what it has and what would have kept it."""
+    folder = run_dir / "checkpoints"
+    where = (f"{folder} holds no complete checkpoint" if folder.is_dir() else
+             f"{run_dir} holds no checkpoints folder: the run kept no checkpoint")
+    exported = (f"; its final weights were to be exported to loop.export_dir="
+                f"{cfg.loop.export_dir}" if cfg.loop.export_dir else "")
+    return (f"{where}{exported}. A run keeps a checkpoint of its last step unless "
+            "loop.final_checkpoint=false; train with it (or loop.checkpoint_every=N, or "
+            "loop.export_dir=FOLDER to export as it ends).")
 
 
 def read_params(ckpt: Checkpointer, step: int, cfg: Config) -> dict:

@@ -38,6 +38,8 @@ from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.run_folder import RunLock
 from megatrain_jax.stream import Timeline
 from megatrain_jax.tools.machine import memory_record, peak_flops
+from megatrain_jax.train import deterministic
+from megatrain_jax.train.accounting import RunClock, advice
 from megatrain_jax.train.export import export_final
 from megatrain_jax.train.outputs import Outputs, evaluate, write_timeline
 from megatrain_jax.train.resume import check_continues, restore, run_record
@@ -46,10 +48,12 @@ from megatrain_jax.train.startup import (
     checkpoint_folder,
     checkpointer,
     finished_summary,
+    kept,
     read_records,
     rewind,
+    write_summary,
 )
-from megatrain_jax.train.stop import AgreedStop, RunInterrupted
+from megatrain_jax.train.stop import AgreedStop, RunInterrupted, interrupted
 from megatrain_jax.train.trainers import initial_state, make_trainer
 
 
@@ -72,6 +76,8 @@ class _Tally:
     # speed in the summary.
     timed_steps: int = 0
     timed_s: float = 0.0
+    clock: RunClock = field(default_factory=RunClock)  # where the run's time goes
+    noted: set = field(default_factory=set)  # the notes given once already
 
 
 def train(cfg: Config, log=None, on_start=None, stop=None) -> dict:
@@ -86,18 +92,21 @@ def train(cfg: Config, log=None, on_start=None, stop=None) -> dict:
     A finished run (its newest checkpoint at loop.steps) returns its summary at once, with
     `finished_before: True`.
     """
+    clock = RunClock()
+    if cfg.loop.deterministic:
+        deterministic.check()
     run_dir = Path(cfg.loop.run_dir)
     check_writable(run_dir)
     with RunLock(run_dir) as lock:
         finished = finished_summary(cfg)
         if finished is None:
-            return _train(cfg, lock, log, on_start, stop)
+            return _train(cfg, lock, log, on_start, stop, clock)
         if cfg.loop.export_dir and not Path(cfg.loop.export_dir).exists():
             export_final(None, cfg, checkpoint_folder(cfg), finished["steps"])
         return finished
 
 
-def _train(cfg: Config, lock: RunLock, log, on_start, stop) -> dict:
+def _train(cfg: Config, lock: RunLock, log, on_start, stop, clock: RunClock) -> dict:
     run_dir = Path(cfg.loop.run_dir)
     if cfg.loop.export_dir and Path(cfg.loop.export_dir).exists():
         raise ConfigError(f"loop.export_dir {cfg.loop.export_dir} already exists; name a new "
@@ -119,10 +128,10 @@ def _train(cfg: Config, lock: RunLock, log, on_start, stop) -> dict:
         _begin(cfg, lock, start)
         if on_start is not None:
             on_start(start)
-        tally = _Tally(start, skipped, peak_flops(trainer.devices))
+        tally = _Tally(start, skipped, peak_flops(trainer.devices), clock=clock)
         state, stopped = _loop(cfg, trainer, state, tally, data, val, ckpt, log, agreed)
         if stopped is not None:
-            raise _interrupted(cfg, *stopped, tally, ckpt)
+            raise interrupted(cfg, *stopped, tally.history, ckpt)
     except BaseException:
         if ckpt is not None:
             try:  # a save under way holds a good state: let it finish
@@ -130,20 +139,26 @@ def _train(cfg: Config, lock: RunLock, log, on_start, stop) -> dict:
             except CheckpointError:
                 pass
         raise
+    end_wait = time.perf_counter()
     if ckpt is not None:
         ckpt.close()  # raises if the last save failed
+    end_wait = time.perf_counter() - end_wait
     state.wait()
     if cfg.loop.export_dir:
         export_final(state.params, cfg, checkpoint_folder(cfg))
     history = tally.history
     if not tally.timed_steps:  # one step: its own time, compilation included
         tally.timed_steps, tally.timed_s = 1, history[0]["step_seconds"]
-    return {
+    summary = {
         "first_loss": _first_loss(run_dir, history), "last_loss": history[-1]["loss"],
         "tokens_per_s": tally.timed_steps * cfg.data.tokens_per_step / tally.timed_s,
         "timed_steps": tally.timed_steps, "timed_s": tally.timed_s,
-        "skipped_steps": tally.skipped, "run_dir": str(run_dir), "state": state,
+        "skipped_steps": tally.skipped, "run_dir": str(run_dir),
+        **clock.summary(cfg.data.tokens_per_step, end_wait), "kept": kept(cfg, ckpt),
+        "save_writes_s": [round(x, 3) for x in ckpt.write_seconds] if ckpt else [],
     }
+    write_summary(run_dir, summary)
+    return {**summary, "state": state}
 
 
 def _resume(cfg: Config, trainer, ckpt: Checkpointer | None):
@@ -186,20 +201,31 @@ def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
     the signal), or None when it ran to loop.steps)."""
     loop = cfg.loop
     out = Outputs(cfg, tally.start, log)
+    tally.clock.first_step()
+    if ckpt is not None and ckpt.no_room and not loop.checkpoint_every:
+        _note_once(out, tally, "room", f"this run will keep no checkpoint: {ckpt.no_room}")
+    saving = False  # a save's capture may slow the step
     try:
         for step in range(tally.start, loop.steps):
+            began = time.perf_counter()
+            saving = saving or (ckpt is not None and ckpt.capturing())
             state, metrics, was_skipped = _step(cfg, trainer, state, data, step, ckpt, tally)
+            tally.clock.step(time.perf_counter() - began, saving)
             done, last = step + 1, step + 1 == loop.steps
             halted = tally.streak >= loop.max_skipped_steps
             # A save under way when a stop comes ends the run at its step; else one is taken.
             signum, pending = agreed.decide(str(done), last, _none if ckpt is None else ckpt.saving)
             stopping = signum is not None
-            saved = _save(cfg, trainer, state, ckpt, done, tally, was_skipped, halted,
-                          stopping and pending is None and loop.stop_save)
+            saved = saving = _save(cfg, trainer, state, ckpt, done, tally, was_skipped, halted,
+                                   stopping and pending is None and loop.stop_save, out)
             if val is not None and not halted and (done % loop.eval_every == 0 or last):
                 began = time.perf_counter()
                 out.eval_record(done, evaluate(trainer, state, val, loop.eval_batches))
                 tally.timer += time.perf_counter() - began  # not training time
+                tally.clock.evaluated(time.perf_counter() - began)
+            _note_once(out, tally, "share", advice(tally.clock, loop.checkpoint_every))
+            if step == tally.start and loop.checkpoint_every and not saved and ckpt is not None:
+                ckpt.prepare(trainer.state_tree(state))  # the staging area, before its use
             if saved or stopping or halted or last or step == tally.start or \
                     done % loop.log_every == 0:
                 _record(cfg, out, metrics, done, tally)
@@ -219,7 +245,7 @@ def _step(cfg: Config, trainer, state, data: TokenSource, step: int,
     if ckpt is not None and ckpt.failed() is not None:
         raise ckpt.failed()  # a save that failed ends the run
     timeline = Timeline() if step == cfg.loop.timeline_step else None
-    before_write = ckpt.wait_written if ckpt is not None else None  # a save may still read
+    before_write = ckpt.wait_captured if ckpt is not None else None  # a save may capture
     state, metrics = trainer.train_step(state, data.batch_at(step), tracer=timeline,
                                         before_write=before_write)
     # The streaming engine has read it already; the reference trainer waits here.
@@ -234,19 +260,34 @@ def _step(cfg: Config, trainer, state, data: TokenSource, step: int,
 
 
 def _save(cfg: Config, trainer, state, ckpt: Checkpointer | None, done: int, tally: _Tally,
-          was_skipped: bool, halted: bool, stopping: bool) -> bool:
+          was_skipped: bool, halted: bool, stopping: bool, out: Outputs) -> bool:
     """Starts a checkpoint of step `done` where one is due (or a stop asks for one); whether
     it did. A checkpoint waits for a step that updated the state: a run of skipped steps that
     ends in a halt leaves the checkpoints from before it."""
-    every = cfg.loop.checkpoint_every
-    if ckpt is None or not every or halted:
+    every, last = cfg.loop.checkpoint_every, done == cfg.loop.steps
+    if ckpt is None or halted:
         return False
-    due = done == cfg.loop.steps or (done % every == 0 and not was_skipped)
-    if not (due or stopping):
-        return False
-    ckpt.save(done, trainer.state_tree(state),
-              {**run_record(cfg, done, tally.skipped), "state": trainer.state_record(state)})
+    due = (every and done % every == 0 and not was_skipped) or \
+        (last and (every or cfg.loop.final_checkpoint))
+    if not (due or stopping) or (ckpt.no_room and not every):
+        return False  # the final or stop save has no room: said at the start and the end
+    began = time.perf_counter()
+    waited = ckpt.save(done, trainer.state_tree(state),
+                       {**run_record(cfg, done, tally.skipped),
+                        "state": trainer.state_record(state)})
+    tally.clock.saved(time.perf_counter() - began)
+    if waited > 0.1 and every:
+        _note_once(out, tally, "waited", (
+            f"checkpoint {done - every} was still being written when checkpoint {done} was "
+            f"due: the run waited {waited:.1f} s for it (a save's write takes longer than "
+            f"{every} steps here; raise loop.checkpoint_every to leave it room)."))
     return True
+
+
+def _note_once(out: Outputs, tally: _Tally, kind: str, text: str | None) -> None:
+    if text is not None and kind not in tally.noted:
+        tally.noted.add(kind)
+        out.bar.note(f"megatrain-jax: {text}")
 
 
 def _record(cfg: Config, out: Outputs, metrics: dict, done: int, tally: _Tally) -> None:
@@ -273,30 +314,6 @@ def _none() -> None:
 
 def _name(signum: int) -> str:
     return signal.Signals(signum).name
-
-
-def _interrupted(cfg: Config, at: int, signum: int, tally: _Tally,
-                 ckpt: Checkpointer | None) -> RunInterrupted:
-    """The run stopped on a signal at step `at`: once its checkpoints are complete (a failed
-    save raises here), the error that says where it stopped and how to resume."""
-    if ckpt is not None:
-        ckpt.wait()
-    latest = ckpt.latest_step() if ckpt is not None else None
-    folder = checkpoint_folder(cfg)
-    head = f"stopped by {_name(signum)} at step {at} of {cfg.loop.steps}"
-    if latest == at:
-        ended = tally.history[-1]["step"] if tally.history else at
-        if ended > at:  # the save under way was of an earlier step: the run ends there
-            rewind(Path(cfg.loop.run_dir), at)
-            again = f"step {ended}" if ended == at + 1 else f"steps {at + 1} to {ended}"
-            head += f" ({again} will be trained again)"
-        tail = f"checkpoint {at} is complete in {folder}; run the same command to resume"
-    else:
-        why = "loop.stop_save=false" if cfg.loop.checkpoint_every else "loop.checkpoint_every=0"
-        tail = (f"no checkpoint of it ({why}); " + (
-            f"run the same command to resume from checkpoint {latest} in {folder}"
-            if latest is not None else "the same command starts the run over"))
-    return RunInterrupted(f"{head}: {tail}.", signum, at)
 
 
 def _halt_message(cfg: Config, step: int, streak: int, ckpt: Checkpointer | None) -> str:

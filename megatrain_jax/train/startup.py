@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from megatrain_jax.config import Config, ConfigError
+from megatrain_jax.config.schema import pinned
 from megatrain_jax.io.checkpoint import (
     MANIFEST,
     Checkpointer,
@@ -67,13 +68,27 @@ def finished_summary(cfg: Config) -> dict | None:
     run_dir = Path(cfg.loop.run_dir)
     directory = checkpoint_folder(cfg)
     latest = _latest_record(directory) if cfg.loop.resume else None
+    if latest is None and not complete_steps(directory):
+        return _finished_without_checkpoint(cfg)
     if latest is None or latest[0] != cfg.loop.steps or foreign_steps(directory):
         return None
     check_model(cfg, latest[1], directory / str(latest[0]))
     losses = [r["loss"] for r in read_records(run_dir / "metrics.jsonl")]
-    return {"finished_before": True, "steps": latest[0],
+    return {"finished_before": True, "steps": latest[0], "checkpoint": latest[0],
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None, "run_dir": str(run_dir)}
+
+
+def _finished_without_checkpoint(cfg: Config) -> dict | None:
+    """The summary of a run that kept no checkpoint and whose records reach its last step:
+    its outputs are not trained over. None for any other run."""
+    run_dir = Path(cfg.loop.run_dir)
+    records = read_records(run_dir / "metrics.jsonl") if cfg.loop.resume else []
+    if not records or records[-1]["step"] != cfg.loop.steps:
+        return None
+    return {"finished_before": True, "steps": cfg.loop.steps, "checkpoint": None,
+            "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"],
+            "run_dir": str(run_dir)}
 
 
 def _foreign_message(directory: Path, steps: list[int]) -> str:
@@ -102,12 +117,54 @@ def checkpointer(cfg: Config, trainer) -> Checkpointer | None:
             f"loop.resume=false, but {directory} holds checkpoints of an earlier run "
             f"({existing}); a new run there would mix its checkpoints with them. Use another "
             "loop.run_dir, or move that folder away.")
-    if not cfg.loop.checkpoint_every and not existing:
+    if not saves(cfg) and not existing:
         return None
-    ckpt = Checkpointer(directory, keep=cfg.loop.keep_checkpoints)
-    if cfg.loop.checkpoint_every:
-        ckpt.check_room(tree_bytes(trainer.abstract_state()))
+    ckpt = Checkpointer(directory, keep=cfg.loop.keep_checkpoints,
+                        staging_parts=pinned(cfg.stream.save_staging))
+    if saves(cfg):
+        try:
+            ckpt.check_room(tree_bytes(trainer.abstract_state()))
+        except CheckpointError as e:
+            if cfg.loop.checkpoint_every:
+                raise
+            ckpt.no_room = str(e)  # the final and stop saves are skipped, and the run says so
     return ckpt
+
+
+def saves(cfg: Config) -> bool:
+    """Whether the run may write checkpoints: every loop.checkpoint_every steps, of its last
+    step (loop.final_checkpoint), or of a step a signal stopped it at (loop.stop_save)."""
+    loop = cfg.loop
+    return bool(loop.checkpoint_every or loop.final_checkpoint or loop.stop_save)
+
+
+def kept(cfg: Config, ckpt: Checkpointer | None = None) -> str:
+    """What the run keeps of its training, in words: its start line and summary say it."""
+    loop, folder = cfg.loop, checkpoint_folder(cfg)
+    if ckpt is not None and ckpt.no_room and not loop.checkpoint_every:
+        kept = f"no checkpoint: {ckpt.no_room}"
+    elif loop.checkpoint_every:
+        kept = (f"checkpoints every {loop.checkpoint_every} steps and of its last step in "
+                f"{folder} (the newest {loop.keep_checkpoints})")
+    elif loop.final_checkpoint:
+        kept = f"a checkpoint of its last step in {folder}"
+    elif loop.stop_save:
+        kept = (f"a checkpoint in {folder} only if a signal stops it (loop.final_checkpoint="
+                "false: the finished run keeps no weights)")
+    else:
+        kept = ("no checkpoint (loop.checkpoint_every=0, loop.final_checkpoint=false, "
+                "loop.stop_save=false)")
+    if loop.export_dir:
+        kept += f"; the final weights exported to {loop.export_dir}"
+    return kept
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """RUN_DIR/summary.json: the finished attempt's summary (`report` reads it)."""
+    path = run_dir / "summary.json"
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(summary, indent=1) + "\n")
+    partial.replace(path)
 
 
 def read_records(path: Path) -> list[dict]:

@@ -17,6 +17,9 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
+
+from megatrain_jax.train.startup import checkpoint_folder, rewind
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -118,3 +121,27 @@ class AgreedStop:
             return None, None
         signum, saving = word.split(" ")
         return int(signum), (int(saving) if saving else None)
+
+
+def interrupted(cfg, at: int, signum: int, history: list[dict], ckpt) -> RunInterrupted:
+    """The run stopped on a signal at step `at`: once its checkpoints are complete (a failed
+    save raises here), the error that says where it stopped and how to resume."""
+    if ckpt is not None:
+        ckpt.wait()
+    latest = ckpt.latest_step() if ckpt is not None else None
+    folder = checkpoint_folder(cfg)
+    head = f"stopped by {signal.Signals(signum).name} at step {at} of {cfg.loop.steps}"
+    if latest == at:
+        ended = history[-1]["step"] if history else at
+        if ended > at:  # the save under way was of an earlier step: the run ends there
+            rewind(Path(cfg.loop.run_dir), at)
+            again = f"step {ended}" if ended == at + 1 else f"steps {at + 1} to {ended}"
+            head += f" ({again} will be trained again)"
+        tail = f"checkpoint {at} is complete in {folder}; run the same command to resume"
+    else:
+        why = "loop.stop_save=false" if cfg.loop.stop_save is False else \
+            "no room on the disk for it"
+        tail = (f"no checkpoint of it ({why}); " + (
+            f"run the same command to resume from checkpoint {latest} in {folder}"
+            if latest is not None else "the same command starts the run over"))
+    return RunInterrupted(f"{head}: {tail}.", signum, at)

@@ -1,0 +1,118 @@
+"""The run's time, accounted: where its wall time went, and its goodput.
+
+    clock = RunClock()                        # at the start of `train`
+    clock.first_step()                        # startup ends
+    clock.step(seconds, saving)               # each step; `saving`: a save's capture was
+    clock.saved(seconds)                      #   under way; time spent starting a save
+    clock.evaluated(seconds)
+    clock.summary(tokens_per_step)            # {"time": {...}, "goodput": ...}
+
+The steps' own speed is the median of the steps that ran with no save under way (after the
+first, which compiles). Goodput is the run's tokens/s over that speed: the share of the wall
+time the steps would have taken at it. The rest is split into startup (reading data, building
+and placing the state, restoring), compile (the first step beyond the others), save stalls
+(starting saves, the steps a capture slowed beyond the median, waiting for the last save at
+the end), evaluation, and other (records, export, closing). The parts add up to the wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+SAVE_SHARE = 0.05  # saves costing more of the run's time than this are reported once
+
+
+@dataclass
+class RunClock:
+    began: float = field(default_factory=time.perf_counter)
+    startup_s: float | None = None
+    step_s: list = field(default_factory=list)  # (seconds, whether a save was under way)
+    save_s: float = 0.0
+    eval_s: float = 0.0
+    stalls: list = field(default_factory=list)  # the run's time each save cost, as measured
+    _open_stall: float | None = None  # the save being measured
+
+    def first_step(self) -> None:
+        self.startup_s = time.perf_counter() - self.began
+
+    def step(self, seconds: float, saving: bool) -> None:
+        self.step_s.append((seconds, saving))
+        if self._open_stall is None:
+            return
+        if saving:
+            self._open_stall += max(0.0, seconds - self.median())
+        else:  # the save's capture is over: its cost is known
+            self.stalls.append(self._open_stall)
+            self._open_stall = None
+
+    def saved(self, seconds: float) -> None:
+        """A save began, taking `seconds` of the loop (and waiting for the last)."""
+        self.save_s += seconds
+        if self._open_stall is not None:
+            self.stalls.append(self._open_stall)
+        self._open_stall = seconds
+
+    def evaluated(self, seconds: float) -> None:
+        self.eval_s += seconds
+
+    def median(self) -> float:
+        """The steps' own time: the median of those no save slowed (the first left out)."""
+        clean = [s for s, saving in self.step_s[1:] if not saving]
+        timed = clean or [s for s, _ in self.step_s[1:]] or [s for s, _ in self.step_s]
+        return statistics.median(timed) if timed else 0.0
+
+    def save_share(self, every: int) -> float | None:
+        """The share of the run's time one save in `every` steps costs, from the last save
+        measured; None before one is."""
+        if not self.stalls or not every or not self.median():
+            return None
+        return self.stalls[-1] / (self.stalls[-1] + every * self.median())
+
+    def summary(self, tokens_per_step: int, end_wait_s: float = 0.0) -> dict:
+        """The time split and goodput of the run so far; `end_wait_s`: spent after the loop
+        waiting for the last save."""
+        wall = time.perf_counter() - self.began
+        m, steps = self.median(), self.step_s
+        first = steps[0][0] if steps else 0.0
+        compile_s = max(0.0, first - m)
+        steps_s = min(first, m)
+        saves_s = self.save_s + end_wait_s
+        for seconds, saving in steps[1:]:
+            slowed = max(0.0, seconds - m) if saving else 0.0
+            steps_s += seconds - slowed
+            saves_s += slowed
+        split = {"startup_s": self.startup_s or 0.0, "compile_s": compile_s,
+                 "steps_s": steps_s, "save_stall_s": saves_s, "eval_s": self.eval_s}
+        split["other_s"] = wall - sum(split.values())
+        split["wall_s"] = wall
+        stalls = self.stalls + ([self._open_stall] if self._open_stall is not None else [])
+        return {"time": {k: round(v, 3) for k, v in split.items()},
+                "save_stalls_s": [round(x, 3) for x in stalls],
+                "goodput": len(steps) * m / wall if wall and steps else None,
+                "step_tokens_per_s": tokens_per_step / m if m else None}
+
+
+def advice(clock: RunClock, every: int) -> str | None:
+    """What to tell a run whose saves cost more than SAVE_SHARE of its time: the share and
+    the loop.checkpoint_every that would bring it under; None otherwise."""
+    share = clock.save_share(every)
+    if share is None or share <= SAVE_SHARE:
+        return None
+    stall, m = clock.stalls[-1], clock.median()
+    wanted = int(stall * (1 - SAVE_SHARE) / (SAVE_SHARE * m)) + 1
+    return (f"saves cost {share:.0%} of this run's time ({stall:.2f} s a save, one every "
+            f"{every} steps of {m:.2f} s); loop.checkpoint_every={wanted} or more would keep "
+            f"them under {SAVE_SHARE:.0%}.")
+
+
+def time_line(summary: dict) -> str:
+    """The progress output's last line: where the run's time went."""
+    t = summary["time"]
+    parts = ", ".join(f"{name} {t[key]:.1f} s" for name, key in (
+        ("startup", "startup_s"), ("compile", "compile_s"), ("steps", "steps_s"),
+        ("save stalls", "save_stall_s"), ("eval", "eval_s"), ("other", "other_s")))
+    goodput = summary["goodput"]
+    return (f"run time {t['wall_s']:.1f} s: {parts}; goodput "
+            + (f"{goodput:.1%}" if goodput is not None else "n/a"))

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from megatrain_jax.io import manifests, saving, shards
-from megatrain_jax.io.array_files import Damaged, Staged
+from megatrain_jax.io.array_files import Damaged
 from megatrain_jax.io.checksum import Checksum
 from megatrain_jax.io.manifests import MANIFEST, CheckpointError, complete_steps
 from megatrain_jax.io.processes import Peers
@@ -156,15 +156,11 @@ class Checkpointer:
         return waited
 
     def prepare(self, tree) -> None:
-        """Captures `tree` once in the background, writing nothing, so that the staging area
-        exists before the first save (pinned memory is slow to allocate the first time, fast
-        to reuse): that save then costs the run what the later ones do. The updates wait for
-        it part by part, as after a save."""
+        """Makes the staging area of saves of `tree` in the background, copying nothing
+        (Staging.reserve), so that the first save costs the run what the later ones do."""
         import jax
 
-        sources = saving.sources(tree, whole=jax.process_count() == 1)
-        self._capture = self._staging.capture(sources, self.staging_parts)
-        self._job = self._runner.submit(_rehearse, self._capture)
+        self._job = self._staging.reserve(saving.sources(tree, whole=jax.process_count() == 1))
         self._job_step = None
 
     def saving(self) -> int | None:
@@ -287,15 +283,3 @@ class Checkpointer:
         return (f" Earlier checkpoints are untouched ({older}): move {self.directory / str(step)}"
                 f" away to resume from step {older[-1]}.")
 
-
-def _rehearse(capture) -> None:
-    """Takes every part of `capture` and lets it go unwritten, once its copies have landed."""
-    for group in capture.groups():
-        capture.take(group)
-        for source in group.sources:
-            for _, _, pieces, _ in source["shards"]:
-                for piece in pieces:
-                    if isinstance(piece, Staged):
-                        piece.array.block_until_ready()
-        capture.release(group)
-    capture.abandon()

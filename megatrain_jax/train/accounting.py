@@ -32,6 +32,7 @@ class RunClock:
     save_s: float = 0.0
     eval_s: float = 0.0
     stalls: list = field(default_factory=list)  # the run's time each save cost, as measured
+    waits: list = field(default_factory=list)  # of which each waited for the save before
     _open_stall: float | None = None  # the save being measured
 
     def first_step(self) -> None:
@@ -47,9 +48,11 @@ class RunClock:
             self.stalls.append(self._open_stall)
             self._open_stall = None
 
-    def saved(self, seconds: float) -> None:
-        """A save began, taking `seconds` of the loop (and waiting for the last)."""
+    def saved(self, seconds: float, waited: float = 0.0) -> None:
+        """A save began, taking `seconds` of the loop, `waited` of them for the last save to
+        be written."""
         self.save_s += seconds
+        self.waits.append(waited)
         if self._open_stall is not None:
             self.stalls.append(self._open_stall)
         self._open_stall = seconds
@@ -63,12 +66,19 @@ class RunClock:
         timed = clean or [s for s, _ in self.step_s[1:]] or [s for s, _ in self.step_s]
         return statistics.median(timed) if timed else 0.0
 
+    def last_stall(self) -> float | None:
+        """The last save's cost to the run so far (the one being measured, else the last)."""
+        if self._open_stall is not None:
+            return self._open_stall
+        return self.stalls[-1] if self.stalls else None
+
     def save_share(self, every: int) -> float | None:
-        """The share of the run's time one save in `every` steps costs, from the last save
-        measured; None before one is."""
-        if not self.stalls or not every or not self.median():
+        """The share of the run's time one save in `every` steps costs, from the last save;
+        None before one is."""
+        stall = self.last_stall()
+        if stall is None or not every or not self.median():
             return None
-        return self.stalls[-1] / (self.stalls[-1] + every * self.median())
+        return stall / (stall + every * self.median())
 
     def summary(self, tokens_per_step: int, end_wait_s: float = 0.0) -> dict:
         """The time split and goodput of the run so far; `end_wait_s`: spent after the loop
@@ -94,17 +104,24 @@ class RunClock:
                 "step_tokens_per_s": tokens_per_step / m if m else None}
 
 
-def advice(clock: RunClock, every: int) -> str | None:
+def advice(clock: RunClock, every: int, write_s: float | None) -> str | None:
     """What to tell a run whose saves cost more than SAVE_SHARE of its time: the share and
-    the loop.checkpoint_every that would bring it under; None otherwise."""
+    the loop.checkpoint_every that would bring it under (one whose capture costs under the
+    share, and whose write, `write_s` in the background, fits between two saves); None
+    otherwise."""
     share = clock.save_share(every)
-    if share is None or share <= SAVE_SHARE:
+    if share is None or share <= SAVE_SHARE or write_s is None:  # said once the write is known
         return None
-    stall, m = clock.stalls[-1], clock.median()
-    wanted = int(stall * (1 - SAVE_SHARE) / (SAVE_SHARE * m)) + 1
-    return (f"saves cost {share:.0%} of this run's time ({stall:.2f} s a save, one every "
-            f"{every} steps of {m:.2f} s); loop.checkpoint_every={wanted} or more would keep "
-            f"them under {SAVE_SHARE:.0%}.")
+    stall, m = clock.last_stall(), clock.median()
+    capture = max(0.0, stall - clock.waits[-1])
+    wanted = max(int(capture * (1 - SAVE_SHARE) / (SAVE_SHARE * m)),
+                 int((write_s or 0.0) / m)) + 1
+    written = f", {write_s:.1f} s to write in the background"
+    if clock.waits[-1] > 0.1:
+        written += f", {clock.waits[-1]:.1f} s of the stall waiting for the last one's write"
+    return (f"saves cost {share:.0%} of this run's time ({stall:.2f} s a save{written}, one "
+            f"every {every} steps of {m:.2f} s); loop.checkpoint_every={wanted} or more would "
+            f"keep them under {SAVE_SHARE:.0%}.")
 
 
 def time_line(summary: dict) -> str:

@@ -223,7 +223,9 @@ def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
                 out.eval_record(done, evaluate(trainer, state, val, loop.eval_batches))
                 tally.timer += time.perf_counter() - began  # not training time
                 tally.clock.evaluated(time.perf_counter() - began)
-            _note_once(out, tally, "share", advice(tally.clock, loop.checkpoint_every))
+            _note_once(out, tally, "share", advice(
+                tally.clock, loop.checkpoint_every, ckpt.write_seconds[-1] if ckpt and
+                ckpt.write_seconds else None))
             if step == tally.start and loop.checkpoint_every and not saved and ckpt is not None:
                 ckpt.prepare(trainer.state_tree(state))  # the staging area, before its use
             if saved or stopping or halted or last or step == tally.start or \
@@ -275,7 +277,7 @@ def _save(cfg: Config, trainer, state, ckpt: Checkpointer | None, done: int, tal
     waited = ckpt.save(done, trainer.state_tree(state),
                        {**run_record(cfg, done, tally.skipped),
                         "state": trainer.state_record(state)})
-    tally.clock.saved(time.perf_counter() - began)
+    tally.clock.saved(time.perf_counter() - began, waited)
     if waited > 0.1 and every:
         _note_once(out, tally, "waited", (
             f"checkpoint {done - every} was still being written when checkpoint {done} was "

@@ -309,7 +309,7 @@ def test_sibling_embeddings_are_refused_naming_the_piece():
     or, without an example batch, at the first step, before any work."""
     model, batch = ListModel(nnx.Rngs(0), positions=True), next(_batches())
     message = (r"from_nnx_model\(\): the model applies 'wpe' to int\d+\[8\], not to the "
-               r"output of 'wte' \(float32\[1, 8, 16\]\).*in one module")
+               r"output of 'wte' \(float32\[4, 8, 16\]\).*in one module")
     with pytest.raises(streaming.TemplateError, match=message):
         _nnx_step(model, embed=("wte", "wpe"), example_batch=batch)
     step = _nnx_step(model, embed=("wte", "wpe"))
@@ -345,3 +345,20 @@ def test_a_mistyped_keyword_names_the_entry_point():
                        r"argument 'rng_sead' \(did you mean 'rng_seed'\?\)"):
         streaming.from_linen_model(LinenGPT(), {"params": {}}, summed_loss,
                                    optax.sgd(0.1), rng_sead=0)
+
+
+def test_a_tied_model_given_a_head_it_lacks_is_pointed_at_attend(linen_run):
+    """head=("ln_f", "lm_head") on a model whose head is its embedding table: the refusal
+    names the method to give instead, the largest table's (the tokens', not positions')."""
+    with pytest.raises(streaming.TemplateError, match=r"from_nnx_model\(\): head: GPT has no "
+                       r"'lm_head'\. If the model's head is its embedding table \(tied: its "
+                       r"__call__ ends in self\.embed\.wte\.attend\(x\)\), name that method: "
+                       r"head=\('ln_f', 'embed\.wte\.attend'\)"):
+        abstract = nnx.eval_shape(lambda: gpt.GPT(nnx.Rngs(0)))  # no arrays to make
+        streaming.from_nnx_model(abstract, gpt.summed_loss, optax.sgd(0.1),
+                                 head=("ln_f", "lm_head"), rng_seed=0)
+    with pytest.raises(streaming.TemplateError, match=r"from_linen_model\(\): head: LinenGPT "
+                       r"has no attribute 'lm_head'.*name that method: "
+                       r"head=\('ln_f', 'embed\.wte\.attend'\)"):
+        streaming.from_linen_model(linen_run["model"], linen_run["variables"], summed_loss,
+                                   optax.sgd(0.1), head=("ln_f", "lm_head"), rng_seed=0)

@@ -220,11 +220,13 @@ def build_engine(embed: Callable, layer: Callable, head_loss: Callable,
 
 
 def template_checks(embed: Callable, layer: Callable, head_loss: Callable, example: dict,
-                    contract: LossContract, tied: bool = False,
-                    layer_index: bool = False) -> Callable:
+                    contract: LossContract, tied: bool = False, layer_index: bool = False,
+                    layer_inputs: Callable | None = None) -> Callable:
     """check(batch): the templates on one row of `batch`: no captured arrays, and a head
     loss that keeps the contract. `layer(p, x, batch[, index])`, head_loss as build_engine
-    takes it; run on random head weights, no real ones needed."""
+    takes it; run on random head weights, no real ones needed. With `layer_inputs(batch)`,
+    the layer is checked as layer(p, x, batch, layer_inputs(batch)[, index]): what that
+    function closes over is an input (a block's constant table), not a parameter."""
     index = (jnp.int32(0),) if layer_index else ()
     head = head_loss if tied else _untied(head_loss)
 
@@ -232,7 +234,10 @@ def template_checks(embed: Callable, layer: Callable, head_loss: Callable, examp
         row = counted_row(batch, contract)  # one whose loss counts (its mask is not all 0)
         x = jax.eval_shape(embed, example["embed"], row)
         check_no_captured_arrays(embed, example["embed"], row, name="embed function")
-        check_no_captured_arrays(layer, example["layer"], x, row, *index, name="layer")
+        layer_fn, inputs = ((layer, ()) if layer_inputs is None else
+                            _given(layer, layer_inputs(row)))
+        check_no_captured_arrays(layer_fn, example["layer"], x, row, *inputs, *index,
+                                 name="layer")
         check_no_captured_arrays(head, example["head"], example["embed"], x, row,
                                  name="head loss")
 
@@ -246,6 +251,20 @@ def template_checks(embed: Callable, layer: Callable, head_loss: Callable, examp
         check_loss(*once_and_twice(row, doubled(row)), row, contract)
 
     return check
+
+
+def _given(layer: Callable, inputs) -> tuple[Callable, tuple]:
+    """(fn(p, x, batch, arrays, *index), (arrays,)): `layer(p, x, batch, inputs, *index)`
+    with the arrays among `inputs` passed as arguments, its other values (flags) as they are."""
+    leaves, treedef = jax.tree.flatten(inputs)
+    is_array = [hasattr(a, "shape") for a in leaves]
+
+    def fn(p, x, batch, arrays, *index):
+        given = iter(arrays)
+        values = [next(given) if array else a for a, array in zip(leaves, is_array)]
+        return layer(p, x, batch, jax.tree.unflatten(treedef, values), *index)
+
+    return fn, ([a for a, array in zip(leaves, is_array) if array],)
 
 
 def _varied_like(tree, seed: int):

@@ -57,7 +57,7 @@ from megatrain_jax.streaming.layout import (
     path_str,
 )
 from megatrain_jax.streaming.linen_check import model_check
-from megatrain_jax.streaming.pieces import Piece, model_templates, tied
+from megatrain_jax.streaming.pieces import Piece, model_templates, tied, tied_hint
 
 
 def _scanned_class(module: nn.Module) -> type:
@@ -107,6 +107,24 @@ def _resolve(model, variables, spec, argument: str) -> tuple[tuple, nn.Module, s
     return path, node.clone(parent=None), None
 
 
+def _head(model, variables, spec, head, embed_paths: list) -> tuple:
+    """_resolve of a head piece; one the model lacks is refused with the tied head to name,
+    if the model has embedding tables (an `embedding` parameter) in its embedding pieces."""
+    try:
+        return _resolve(model, variables, spec, "head")
+    except TemplateError as error:
+        tables = {}
+        for path in embed_paths:
+            leaves = jax.tree_util.tree_flatten_with_path(get_path(variables["params"], path))[0]
+            for keys, leaf in leaves:
+                names = tuple(k.key for k in keys)
+                if names[-1:] == ("embedding",):
+                    tables[path_str(path + names[:-1])] = leaf.shape[0]
+        name = lambda s: s if isinstance(s, str) else path_str(parse_path(s[0]))  # noqa: E731
+        hint = tied_hint(name(spec), [name(s) for s in _specs(head)], tables)
+        raise TemplateError(f"{error}{hint}") from None
+
+
 def _specs(spec) -> list:
     single = isinstance(spec, str) or (len(spec) == 2 and isinstance(spec[1], nn.Module))
     return [spec] if single else list(spec)
@@ -120,13 +138,17 @@ def _extra_args(module: nn.Module) -> tuple:
 
 
 def _applier(module: nn.Module, method: str | None, name: str, block: bool = False):
-    """apply(params, x, key): `module` (or its method) on x, rngs={"dropout": key}."""
-    extra = _extra_args(module) if block else ()
+    """apply(params, x, key, args=(), kwargs=None): `module` (or its method) on x and the
+    arguments after it, rngs={"dropout": key}. A block given no arguments gets None for each
+    one its `__call__` requires (nn.scan's xs)."""
+    nones = _extra_args(module) if block else ()
 
-    def apply(params, x, key):
+    def apply(params, x, key, args=(), kwargs=None):
         rngs = None if key is None else {"dropout": key}
+        extra = args if args or kwargs else nones
         try:
-            out = module.apply({"params": params}, x, *extra, rngs=rngs, method=method)
+            out = module.apply({"params": params}, x, *extra, **(kwargs or {}), rngs=rngs,
+                               method=method)
         except flax.errors.InvalidRngError as error:
             raise TemplateError(f"'{name}' draws random numbers ({error}): pass "
                                 "rng_seed=<int>, from which the step draws a key for every "
@@ -150,7 +172,8 @@ def linen_pieces(model, variables, embed, blocks, head):
         return Piece(name, part, path_str(path), (), _applier(module, method, name), method)
 
     embeds = [piece(*found, "embed") for found in embed_found]
-    heads = [piece(s, *_resolve(model, variables, s, "head"), "head") for s in _specs(head)]
+    heads = [piece(s, *_head(model, variables, s, head, embed_paths), "head")
+             for s in _specs(head)]
     blocks_path, stack, _ = _resolve(model, variables, blocks, "blocks")
     block = stack if not isinstance(blocks, str) else _one_layer(stack, blocks)
     name = path_str(blocks_path)
@@ -162,12 +185,14 @@ def linen_pieces(model, variables, embed, blocks, head):
 def from_linen_model(model: nn.Module, variables, head_loss: Callable,
                      optimizer: optax.GradientTransformation, *, embed="embed",
                      blocks="blocks", head="head", rng_seed: int | None = None,
-                     check_model: bool = True, **options) -> ModelStep:
+                     block_args: Callable | None = None, check_model: bool = True,
+                     **options) -> ModelStep:
     """A streaming step for a Linen model with an nn.scan stack of blocks, from its
     `variables`; `head_loss(outputs, batch)` returns the loss summed over the micro-batch
     (the contract: contract.py). `rng_seed`: each piece's dropout key (randomness.py);
-    `check_model=False` skips the check against the model's own forward. `options` are
-    `from_functions`'."""
+    `block_args(batch)`: the blocks' arguments after x, nn.scan's broadcast inputs
+    (block_args.py); `check_model=False` skips the check against the model's own forward.
+    `options` are `from_functions`'."""
     others = sorted(set(variables) - {"params"})
     if others:
         raise TemplateError(f"variables: they hold collections {others} besides 'params': "
@@ -177,14 +202,15 @@ def from_linen_model(model: nn.Module, variables, head_loss: Callable,
     embeds, block, heads, blocks_path = linen_pieces(model, variables, embed, blocks, head)
     layout = Layout.of(tree, [parse_path(p.key) for p in embeds], blocks_path,
                        [parse_path(p.key) for p in heads if p.part == "head"], stacked=True)
-    embed_fn, layer_fn, head_fn = model_templates(embeds, block, heads, head_loss,
-                                                  layout.num_layers, rng_seed)
+    embed_fn, layer_fn, head_fn, checked = model_templates(
+        embeds, block, heads, head_loss, layout.num_layers, rng_seed, block_args)
     example, flags = layout.example(tree), {"tied": tied(heads),
                                             "layer_index": rng_seed is not None}
-    checks = [template_checks(embed_fn, layer_fn, head_fn, example, contract_of(options),
-                              **flags)]
+    checks = [template_checks(embed_fn, checked[0], head_fn, example, contract_of(options),
+                              **flags, layer_inputs=checked[1])]
     if check_model:  # first: it names the piece at fault where the others would just fail
-        checks.insert(0, model_check(model, variables, (embeds, block, heads), layout))
+        checks.insert(0, model_check(model, variables, (embeds, block, heads), layout,
+                                     block_args))
     checks = pending_checks(checks, options.pop("example_batch", None))
     forms = [tree] + ([unfreeze(tree)] if not isinstance(tree, dict) else [])
     optimizer = model_optimizer(optimizer, forms, tree, layout, "from_linen_model")

@@ -44,7 +44,14 @@ from megatrain_jax.streaming.functions import (
     pending_checks,
     template_checks,
 )
-from megatrain_jax.streaming.layout import Layout, ModelStep, model_optimizer, parse_path, path_str
+from megatrain_jax.streaming.layout import (
+    Layout,
+    ModelStep,
+    get_path,
+    model_optimizer,
+    parse_path,
+    path_str,
+)
 from megatrain_jax.streaming.nnx_check import model_check
 from megatrain_jax.streaming.nnx_pieces import (
     find,
@@ -56,7 +63,7 @@ from megatrain_jax.streaming.nnx_pieces import (
     same_template,
     specs,
 )
-from megatrain_jax.streaming.pieces import model_templates, tied
+from megatrain_jax.streaming.pieces import model_templates, tied, tied_hint
 
 
 def refuse_non_params(module, name: str | None = None, rngs: bool = False) -> None:
@@ -80,12 +87,20 @@ def refuse_non_params(module, name: str | None = None, rngs: bool = False) -> No
 
 
 def _layout(model, tree, embed: list, blocks: tuple, head: list) -> Layout:
-    """The layout of the pieces' parameters: a tied head piece has none of its own."""
+    """The layout of the pieces' parameters: a tied head piece has none of its own. A head
+    piece the model lacks is refused with the tied head to name, if the model has one."""
     head_params = []
     for spec in head:
-        _, method, path, owner = resolve(model, spec, embed)
-        if not (method and owner is not None):
-            head_params.append(path)
+        try:
+            _, method, path, owner = resolve(model, spec, embed)
+            if not (method and owner is not None):
+                get_path(tree, path)
+                head_params.append(path)
+        except TemplateError as error:
+            tables = {path_str(p): node.num_embeddings for p, node in nnx.iter_graph(model)
+                      if isinstance(node, nnx.Embed) and any(p[:len(e)] == e for e in embed)}
+            hint = tied_hint(path_str(spec), [path_str(h) for h in head], tables)
+            raise TemplateError(f"head: {error}{hint}") from None
     stack = find(model, blocks)
     layout = Layout.of(tree, embed, blocks, head_params, stacked=not is_list(stack))
     if layout.stacked and not isinstance(stack, nnx.Module):
@@ -113,12 +128,14 @@ def _check_rngs(model, module_paths: list, rng_seed: int | None) -> None:
 @entry_point(options=ENGINE_OPTIONS)
 def from_nnx_model(model, head_loss: Callable, optimizer: optax.GradientTransformation, *,
                    embed="embed", blocks="blocks", head="head", rng_seed: int | None = None,
-                   check_model: bool = True, **options) -> ModelStep:
+                   block_args: Callable | None = None, check_model: bool = True,
+                   **options) -> ModelStep:
     """A streaming step for a whole NNX model; `head_loss(outputs, batch)` returns the loss
     summed over the micro-batch (the contract: contract.py). `rng_seed` draws the keys of
-    the model's RNG streams (randomness.py); `check_model=False` skips the check against
-    the model's own forward. `options` are `from_functions`'. The step reads the model's
-    weights at `init_state()` and writes them back at `params_to(model, state)`."""
+    the model's RNG streams (randomness.py); `block_args(batch)` gives the blocks' arguments
+    after x (block_args.py); `check_model=False` skips the check against the model's own
+    forward. `options` are `from_functions`'. The step reads the model's weights at
+    `init_state()` and writes them back at `params_to(model, state)`."""
     refuse_non_params(model, rngs=True)
     tree = pure_params(model)
     embed_paths, blocks_path, head_specs = specs(embed), parse_path(blocks), specs(head)
@@ -128,14 +145,15 @@ def from_nnx_model(model, head_loss: Callable, optimizer: optax.GradientTransfor
     if not layout.stacked:
         check_layers(layout.listed(tree))
     pieces = nnx_pieces(model, embed_paths, blocks_path, head_specs, layout.stacked)
-    embed_fn, layer_fn, head_fn = model_templates(*pieces, head_loss, layout.num_layers,
-                                                  rng_seed)
+    embed_fn, layer_fn, head_fn, checked = model_templates(
+        *pieces, head_loss, layout.num_layers, rng_seed, block_args)
     example, flags = layout.example(tree), {"tied": tied(pieces[2]),
                                             "layer_index": rng_seed is not None}
-    checks = [template_checks(embed_fn, layer_fn, head_fn, example, contract_of(options),
-                              **flags)]
+    checks = [template_checks(embed_fn, checked[0], head_fn, example, contract_of(options),
+                              **flags, layer_inputs=checked[1])]
     if check_model:  # first: it names the piece at fault where the others would just fail
-        checks.insert(0, model_check(model, (embed_paths, blocks_path, head_specs), layout))
+        checks.insert(0, model_check(model, (embed_paths, blocks_path, head_specs), layout,
+                                     block_args))
     checks = pending_checks(checks, options.pop("example_batch", None))
     params = nnx.state(model, nnx.Param)
     forms = [nnx.as_pure(params) if hasattr(nnx, "as_pure") else None, params, tree]

@@ -76,14 +76,15 @@ def _rng_template(module, layer: int | None = None):
 
 def _applier(graphdef, rng_state, tags: list, method: str | None = None,
              carry: bool = False) -> Callable:
-    """apply(params, x, key): the module merged with `params`, its RNG streams reseeded
-    with `key` (when there is one), then called (or its `method`)."""
+    """apply(params, x, key, args=(), kwargs=None): the module merged with `params`, its RNG
+    streams reseeded with `key` (when there is one), then called (or its `method`) on x and
+    the arguments after it."""
 
-    def apply(params, x, key):
+    def apply(params, x, key, args=(), kwargs=None):
         module = nnx.merge(graphdef, params, rng_state)
         if key is not None and tags:
             nnx.reseed(module, **{tag: key for tag in tags})
-        out = getattr(module, method)(x) if method else module(x)
+        out = (getattr(module, method) if method else module)(x, *args, **(kwargs or {}))
         return _carry(out) if carry else out
 
     return apply

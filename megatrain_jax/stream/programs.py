@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from megatrain_jax import optim
+from megatrain_jax.stream.gemm_fallback import jit_with_fallback
 from megatrain_jax.stream.placement import Placement
 
 
@@ -95,8 +96,10 @@ COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 def jit(fn: Callable, **kwargs) -> Callable:
-    """`jax.jit` with COMPILER_OPTIONS: for the step's programs and the reference's."""
-    return jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
+    """`jax.jit` with COMPILER_OPTIONS: for the step's programs and the reference's. A
+    program XLA's GEMM autotuner cannot compile is compiled without Triton GEMM kernels
+    (gemm_fallback.py)."""
+    return jit_with_fallback(fn, COMPILER_OPTIONS, **kwargs)
 
 
 def build_programs(templates: Templates, optimizer: optax.GradientTransformation,

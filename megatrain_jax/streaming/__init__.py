@@ -12,6 +12,7 @@ through the device (see `megatrain_jax.stream`). The ways in, from the most gene
                      trained weights back in the model's layout (`params_to`, `export`)
     pieces.py        a model's pieces, the templates made of them, and their check against
                      the model's own forward (nnx_pieces.py, nnx_check.py, linen_check.py)
+    block_args.py    a block's arguments besides x (padding mask, positions): block_args=
     contract.py      the loss contract: mask_key, normalizer, reduction
     optimizer_view.py  the optimizer sees each part in the whole model's tree; the probe
                      that refuses global transforms (clip_by_global_norm: use clip_norm=)

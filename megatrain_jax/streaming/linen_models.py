@@ -15,15 +15,18 @@ and `head` may be sequences applied in order; a head piece may be a method, "wte
 ("wte.attend", nn.Embed(V, D))): of a module inside an embedding piece, it ties the head to
 the embedding. `blocks` is an `nn.scan` stack (parameters with a leading layer axis,
 `variable_axes={"params": 0}`); named by attribute, one layer is computed by the class that
-was scanned (Flax's lifted classes derive from it). A block is called as block(x), or
-block(x, None) when its `__call__` takes a second required argument (nn.scan's scanned
-input); when it returns a (carry, output) pair, its carry passes on.
+was scanned (Flax's lifted classes derive from it). A block is called as
+block(x, *block_args(micro_batch)) (nn.scan's broadcast inputs: a padding mask, position
+ids; block_args.py), or without them as block(x), or block(x, None) when its `__call__`
+takes a second required argument (nn.scan's scanned input); when it returns a
+(carry, output) pair, its carry passes on.
 
 Only the `params` collection trains: variables holding other collections (batch_stats,
 cache) are refused, naming them. With `rng_seed`, every piece is applied with
 `rngs={"dropout": key}`, its key drawn per step and piece (randomness.py). The step computes
-head(blocks(embed(batch["inputs"]))), and checks once that the model's own `__call__`
-computes the same (linen_check.py), naming the first piece that differs.
+head(blocks(embed(batch["inputs"]))), and checks once, on every row of the first batch,
+that the model's own `__call__` computes the same (linen_check.py), naming the argument or
+the first piece that differs.
 """
 
 from __future__ import annotations

@@ -14,9 +14,11 @@ module or a sequence applied in order (e.g. head=("norm", "lm_head")), and `bloc
 stack made with `nnx.vmap` (leading layer axis, the layout `nnx.scan` applies) or a list of
 modules of one class. A head piece may be a method of a module, "wte.attend": inside an
 embedding piece, it ties the head to the embedding. The step computes
-head(blocks(embed(batch["inputs"]))), one block at a time, and checks once, on one row of
-the example (or first) batch, that this is what the model's own `__call__` computes (in
-eval mode: dropout off), naming the first piece that differs. A block that returns a
+head(blocks(embed(batch["inputs"]))), one block at a time, each called with
+`block_args(micro_batch)` after x when the model passes its blocks more (a padding mask,
+position ids: block_args.py), and checks once, on every row of the example (or first)
+batch, that this is what the model's own `__call__` computes (in eval mode: dropout off),
+naming the argument or the first piece that differs. A block that returns a
 (carry, output) pair, as an `nnx.scan` body may, passes its carry on.
 
 Only `nnx.Param` variables train. RNG streams (a `Dropout` built with `rngs`) are reseeded

@@ -3,6 +3,7 @@ none it can compile (stream/gemm_fallback.py). The GPU's failure is stood in for
 by a first compile that raises its message; benchmarks/gemm_fallback_gpu.py runs the real
 case on an H200."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,3 +43,10 @@ def test_other_compile_failures_are_raised_as_they_are():
         program(jnp.ones((2, 3)), jnp.ones((3, 2)))
     assert not program.fell_back
     assert gemm_fallback.autotuner_failure(RuntimeError(FAILURE))
+
+
+def test_inside_another_trace_the_program_is_its_function():
+    """jax.eval_shape of a program (the planner's tests do) traces its function: a jit with
+    compiler options may only be the outermost."""
+    out = jax.eval_shape(programs.jit(layer_backward_saved), jnp.ones((2, 3)), jnp.ones((3, 2)))
+    assert out.shape == (2, 2)

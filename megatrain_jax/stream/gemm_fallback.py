@@ -16,7 +16,8 @@ that recomputes the layer compiled.
 reason, it compiles `fn` once more with `xla_gpu_enable_triton_gemm=false` (cuBLAS computes
 the dots, at the precision asked; XLA fuses the rest), warns once naming the program, and
 keeps that program. A compile failure raises before any argument is donated, so the call
-is made again with the same arguments. Any other failure is raised as it is.
+is made again with the same arguments. Any other failure is raised as it is. Called inside
+another trace (`jax.eval_shape(update, ...)`), it is `fn` itself.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ import warnings
 from typing import Callable
 
 import jax
+
+try:
+    from jax.core import Tracer
+except ImportError:  # where jax.core no longer exports it
+    from jax._src.core import Tracer
 
 # What XLA's GEMM autotuner says when no kernel of a fusion compiles (its message, and the
 # older one of the cuBLAS/cuDNN candidates' search).
@@ -48,6 +54,10 @@ class FallbackJit:
         self.fell_back = False
 
     def __call__(self, *args, **kwargs):
+        if any(isinstance(a, Tracer) for a in jax.tree.leaves((args, kwargs))):
+            # Inside another trace (jax.eval_shape, an outer jit): the function itself, as a
+            # jit with compiler options may only be the outermost.
+            return self._fn(*args, **kwargs)
         try:
             return self._jitted(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - only the autotuner's failure is handled

@@ -6,6 +6,7 @@
     megatrain-jax report runs/latest                  # PNG plots, timeline, summary
     megatrain-jax export runs/latest out/             # a Hugging Face folder
     megatrain-jax prepare chat.jsonl --out data/chat --tokenizer Llama-3.1-8B/
+    megatrain-jax sample runs/latest "Once upon a time"   # text from the latest checkpoint
     megatrain-jax configs
 
 JAX is imported only after the config is read and checked, so that a bad key fails in a
@@ -127,6 +128,33 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_sample(args) -> int:
+    from megatrain_jax.train import sample  # starts JAX
+
+    sample.check_settings(args.max_new_tokens, args.temperature, args.top_p)
+    loaded = sample.load_model(args.source, args.step, args.dtype, args.tokenizer)
+    ids = sample.prompt_ids(loaded, args.prompt, args.chat)
+    how = "greedy" if args.temperature == 0 else \
+        f"temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}"
+    print(f"megatrain-jax: sample: {loaded.source}, {len(ids)} prompt tokens, {how}",
+          file=sys.stderr)
+    shown = [""]
+
+    def show(new_ids) -> None:  # text as it comes; an incomplete character waits
+        text = loaded.tokenizer.decode(new_ids)
+        if not text.endswith("\ufffd") and text.startswith(shown[0]):
+            print(text[len(shown[0]):], end="", flush=True)
+            shown[0] = text
+
+    new, seconds = sample.timed(sample.generate, loaded, ids, args.max_new_tokens,
+                                args.temperature, args.top_p, args.seed, show)
+    text = loaded.tokenizer.decode(new)
+    print(text[len(shown[0]):] if text.startswith(shown[0]) else "\n" + text)
+    print(f"megatrain-jax: sample: {len(new)} tokens in {seconds:.1f} s, compiling included",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_configs(args) -> int:
     for name, path in shipped_configs().items():
         cfg = load_config(str(path))
@@ -237,6 +265,34 @@ def _add_tools(sub) -> None:
     p.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto")
     p.set_defaults(fn=cmd_export)
     sub.add_parser("configs", help="list the shipped configs").set_defaults(fn=cmd_configs)
+    _add_sample(sub)
+
+
+def _add_sample(sub) -> None:
+    p = sub.add_parser("sample", help="generate text from a run's checkpoint or an HF folder",
+                       description="Prints what the model writes after PROMPT: from the latest "
+                       "checkpoint of a run folder (or --step) or from a Hugging Face folder, "
+                       "on the GPU where there is one (the whole model in GPU memory), with a "
+                       "KV cache. A chat model's template wraps the prompt as a user message.")
+    p.add_argument("source", metavar="RUN_OR_HF_FOLDER",
+                   help="a training run's folder (loop.run_dir) or a Hugging Face model folder")
+    p.add_argument("prompt", help="the text to continue, or a chat model's user message")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (the default): greedy, the most likely token each time")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="with a temperature: draw from the fewest most likely tokens whose "
+                   "probability reaches P")
+    p.add_argument("--seed", type=int, default=0, help="the draws' seed")
+    p.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
+                   help="apply the tokenizer's chat template (auto: where it has one)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json, its folder, or 'bytes' (default: the model folder's, "
+                   "else the one the run's data was prepared with)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the weights' and matmuls' dtype (bfloat16: half the GPU memory)")
+    p.set_defaults(fn=cmd_sample)
 
 
 def main(argv=None) -> int:

@@ -107,3 +107,12 @@ def test_the_help_names_every_config_section():
     line = next(x for x in cli.EPILOG.splitlines() if x.startswith("Sections: "))
     named = line.removeprefix("Sections: ").split(" (")[0].split(", ")
     assert sorted(named) == sorted(Config.__dataclass_fields__)
+
+
+def test_sample_refuses_bad_settings_and_folders_in_one_line(tmp_path, capsys):
+    assert main(["sample", str(tmp_path), "hi", "--top-p", "0"]) == 2
+    assert "sample --top-p=0.0 is out of range; give a probability in (0, 1]" in \
+        capsys.readouterr().err
+    assert main(["sample", str(tmp_path), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "neither a training run's folder" in err and len(err.splitlines()) == 1

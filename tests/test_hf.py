@@ -46,11 +46,13 @@ FAMILIES = {
 TOKENS = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, 24))
 
 
-def make_hf_model(family: str, folder, shard: str | None = None):
+def make_hf_model(family: str, folder, shard: str | None = None, init_std: float = 0.02):
+    """A random model of `family`; a larger `init_std` makes its next token depend on the
+    context more than on the last token (greedy text that does not repeat one token)."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
     hf_model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
-        **SIZES, **extra, attn_implementation="eager"))
+        **SIZES, **extra, initializer_range=init_std, attn_implementation="eager"))
     with torch.no_grad():  # norms and biases start at 1 and 0; move them off that
         for p in hf_model.parameters():
             if p.ndim == 1:
@@ -58,6 +60,40 @@ def make_hf_model(family: str, folder, shard: str | None = None):
     kwargs = {"max_shard_size": shard} if shard else {}
     hf_model.save_pretrained(folder, **kwargs)
     return hf_model
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }} <|im_end|> "
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def write_tokenizer(folder, chat: bool = False) -> None:
+    """A word-level tokenizer of the tiny models' vocabulary, "t0" … "t92" and three ChatML
+    specials (eos <|im_end|>), with a chat template file where `chat`."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    words = [f"t{i}" for i in range(SIZES["vocab_size"] - len(specials))] + specials
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    tok.save(str(folder / "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+                "bos_token": None, "unk_token": "t0"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    if chat:
+        (folder / "chat_template.jinja").write_text(CHATML)
+
+
+def hf_greedy(folder, ids, new_tokens: int, stop_ids) -> list[int]:
+    """transformers' generate(do_sample=False) after prompt `ids`, its new tokens."""
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    prompt = torch.tensor([list(ids)])
+    out = m.eval().generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                            max_new_tokens=new_tokens, eos_token_id=sorted(stop_ids),
+                            pad_token_id=0)
+    new = out[0, len(ids):].tolist()
+    return new[:-1] if new and new[-1] in stop_ids else new
 
 
 def hf_logits(folder_or_model) -> np.ndarray:
@@ -125,8 +161,8 @@ def test_stream_training_from_hf_then_cli_export(tmp_path, capsys):
     from megatrain_jax.train import initial_state, make_trainer, train
 
     source = tmp_path / "source"
-    make_hf_model("llama3.1", source)
-    (source / "tokenizer.json").write_text("{}")  # copied along by the export
+    make_hf_model("llama3.1", source, init_std=0.3)  # greedy text that varies
+    write_tokenizer(source)  # copied along by the export
     run_dir = tmp_path / "run"
     cfg = load_config(None, [f"model.hf_path={source}", "model.compute_dtype=float32",
                              "model.attention=xla", "data.source=random", "data.seq_len=16",
@@ -152,11 +188,41 @@ def test_stream_training_from_hf_then_cli_export(tmp_path, capsys):
     ours = np.asarray(model.logits(on_device(trained), TOKENS, cfg.model))
     assert np.max(np.abs(ours - imported)) > 1e-3  # training moved the weights
     assert np.max(np.abs(hf_logits(out) - ours)) <= 1e-4
+    # `sample` from the run's latest checkpoint writes what transformers' greedy generate
+    # writes from the exported folder, token for token.
+    from megatrain_jax.train import sample
+
+    loaded = sample.load_model(run_dir)
+    ids = sample.prompt_ids(loaded, "t1 t2 t3 t4 t5")
+    assert list(ids) == [1, 2, 3, 4, 5]
+    expected = hf_greedy(out, ids, 10, loaded.stop_ids)
+    assert sample.generate(loaded, ids, 10) == expected and len(expected) >= 4
+    assert main(["sample", str(run_dir), "t1 t2 t3 t4 t5", "--max-new-tokens", "10"]) == 0
+    assert capsys.readouterr().out == loaded.tokenizer.decode(expected) + "\n"
     # loop.export_dir wrote the same final weights when training ended.
     assert np.max(np.abs(hf_logits(tmp_path / "final") - ours)) <= 1e-4
     assert train(cfg)["finished_before"]  # the same command again: nothing left to do
     with pytest.raises(ConfigError, match="loop.export_dir .* already exists"):
         train(dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, steps=3)))
+
+
+def test_sample_from_a_chat_model_folder_is_transformers_greedy(tmp_path):
+    """A Qwen-style folder (biases, tied head) with a chat template: the prompt is what
+    apply_chat_template gives, and greedy decoding with the KV cache is generate's."""
+    from megatrain_jax.train import sample
+
+    source = tmp_path / "qwen"
+    make_hf_model("qwen2", source, init_std=0.3)
+    write_tokenizer(source, chat=True)
+    loaded = sample.load_model(source)
+    ids = sample.prompt_ids(loaded, "t7 t8 t9")
+    # (AutoTokenizer would pick Qwen2Tokenizer from config.json, not this tokenizer.json)
+    hf_tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(source)
+    rendered = hf_tokenizer.apply_chat_template([{"role": "user", "content": "t7 t8 t9"}],
+                                                add_generation_prompt=True, tokenize=False)
+    assert list(ids) == hf_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    new = sample.generate(loaded, ids, 12)
+    assert new == hf_greedy(source, ids, 12, loaded.stop_ids) and len(new) >= 4
 
 
 def test_mismatched_or_unsupported_checkpoints_name_what_differs(tmp_path):

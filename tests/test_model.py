@@ -149,3 +149,17 @@ def test_bf16_compute_keeps_fp32_masters():
     assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype("float32")}
     x = model.embed(params["embed"], _tokens(cfg), cfg.model)
     assert model.layer(params["layers"][0], x, cfg.model).dtype == jnp.bfloat16
+
+
+def test_choose_is_greedy_at_temperature_0_and_draws_within_top_p():
+    from megatrain_jax.model.decode import choose
+
+    logits = jnp.log(jnp.asarray([[0.1, 0.5, 0.3, 0.1]]))
+    keys = jax.random.split(jax.random.key(0), 400)
+    draws = jax.jit(jax.vmap(lambda k, t, p: choose(logits, k, t, p)[0],
+                             in_axes=(0, None, None)))
+    counts = [np.bincount(np.asarray(draws(keys, t, p)), minlength=4)
+              for t, p in ((0.0, 1.0), (1.0, 0.7), (1.0, 1.0), (1.0, 0.01))]
+    assert counts[0][1] == 400 and counts[3][1] == 400  # the most likely token only
+    assert counts[1][0] == counts[1][3] == 0 and counts[1][2] > 80  # 0.5 + 0.3 reach 0.7
+    assert min(counts[2]) > 15 and 160 < counts[2][1] < 240  # every token, as likely as given

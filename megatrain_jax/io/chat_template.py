@@ -3,6 +3,7 @@
     template, source = find_chat_template(folder, settings)   # settings: tokenizer_config.json
     render = compile_chat_template(template)
     text = render(messages, special_tokens)                   # apply_chat_template(tokenize=False)
+    prompt = render(messages, special_tokens, add_generation_prompt=True)   # to generate from
 
 transformers keeps a folder's template in `chat_template.jinja` (what it saves since version
 4.50), which takes priority over the `chat_template` entry of `tokenizer_config.json` (a
@@ -86,10 +87,12 @@ def compile_chat_template(template: str):
     except template_error as e:
         raise ConfigError(f"the tokenizer's chat template does not parse: {e}") from None
 
-    def render(messages: list[dict], special_tokens: dict) -> str:
+    def render(messages: list[dict], special_tokens: dict,
+               add_generation_prompt: bool = False) -> str:
         try:
             return compiled.render(messages=messages, tools=None, documents=None,
-                                   add_generation_prompt=False, **special_tokens)
+                                   add_generation_prompt=add_generation_prompt,
+                                   **special_tokens)
         except template_error as e:
             raise ConfigError(f"the chat template refuses these messages: {e}") from None
 

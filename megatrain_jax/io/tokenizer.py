@@ -60,6 +60,10 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
 
+    def decode(self, ids) -> str:
+        """The text of `ids`, special tokens left out (as transformers' skip_special_tokens)."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
     def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """The ids of `text` as one piece, and each token's span of characters in it."""
         encoding = self.tokenizer.encode(text, add_special_tokens=False)

@@ -203,6 +203,13 @@ def layer_replaying_attention(p: LayerParams, x, kept, cfg: ModelConfig, positio
     return _layer(p, x, cfg, positions, segment_ids, mlp_tile, attention_chunk, attend)[0]
 
 
+def layer_attending(p: LayerParams, x, cfg: ModelConfig, positions, attend):
+    """(x, what `attend` returns beside its output): the layer with its attention given by
+    `attend(q, k, v, implementation, chunk) -> (out, extra)`, q k v rotated [B, S, N, E]. The
+    decoder's KV cache (model/decode.py) attends this way; the rest of the layer is layer's."""
+    return _layer(p, x, cfg, positions, None, 0, 0, attend)
+
+
 def attention_path(cfg: ModelConfig, seq_len: int, packed: bool = False) -> str:
     """The attention the layer runs at `seq_len` (config/auto.py's rule, on this backend)."""
     return ops.pick_attention(cfg.attention, cfg.compute_dtype, seq_len, packed)

@@ -508,19 +508,33 @@ def test_chat_data_gets_the_ids_of_transformers_apply_chat_template(chat_tokeniz
                                          "<|im_start|>assistant\nhello world<|im_end|>\n")
 
 
-def test_text_documents_end_with_the_end_of_text_token_not_a_chat_marker(chat_tokenizer,
-                                                                         tmp_path):
+@pytest.mark.parametrize("template", ["chat_template.jinja", "none"])
+def test_text_documents_end_with_the_end_of_text_token_not_a_chat_marker(
+        chat_tokenizer, template, tmp_path, monkeypatch):
+    """With its template or without it (a folder of tokenizer.json and tokenizer_config.json
+    only), an instruct tokenizer's text documents neither start with its bos <|im_start|>
+    nor end with its eos <|im_end|>; meta.json's paths hold from any folder."""
+    import shutil
+
     from tokenizers import Tokenizer
 
-    (tmp_path / "a.txt").write_text("hello world")
     from megatrain_jax.io.prepare import prepare
 
-    meta = prepare([str(tmp_path / "a.txt")], tmp_path / "text", str(chat_tokenizer),
-                   progress="none")
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(chat_tokenizer, folder)
+    if template == "none":
+        (folder / "chat_template.jinja").unlink()
+    (tmp_path / "a.txt").write_text("hello world")
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
+    meta = prepare(["a.txt"], "text", "tokenizer", progress="none")
     ids = np.memmap(tmp_path / "text" / "tokens.bin", dtype=np.uint16, mode="r").tolist()
     tok = Tokenizer.from_file(str(chat_tokenizer / "tokenizer.json"))
     assert ids == tok.encode("hello world").ids + [tok.token_to_id("<|endoftext|>")]
     assert meta["end_of_text_id"] == tok.token_to_id("<|endoftext|>")
+    assert meta["tokenizer"] == str((folder / "tokenizer.json").resolve())
+    assert meta["inputs"] == [str((tmp_path / "a.txt").resolve())]
+    if template != "none":
+        assert meta["chat_template"] == str((folder / "chat_template.jinja").resolve())
 
 
 # ----- what a run keeps with loop.checkpoint_every=0 -------------------------------------------

@@ -285,7 +285,7 @@ def prepare(inputs: list[str], out_dir: str | Path, tokenizer: str = "bytes",
             "vocab_size": tok.vocab_size, "tokenizer": tok.name, "bos_id": tok.bos_id,
             "eos_id": tok.eos_id, "end_of_text_id": getattr(tok, "end_of_text_id", None),
             "chat_template": tok.template_source if tok.chat_template else None,
-            "inputs": [str(f) for f in files]}
+            "inputs": [str(f.resolve()) for f in files]}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     tmp.rename(out)
     return meta

@@ -20,6 +20,10 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
                   "cls_token", "mask_token")  # the variables a chat template sees
 # A document's end where the tokenizer's eos_token is a chat marker (instruct tokenizers).
 END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+# Tokens that mark a chat's turns (ChatML, Llama 3): never a text document's start or end,
+# whether or not the folder holds the template that writes them.
+CHAT_MARKERS = ("<|im_start|>", "<|im_end|>", "<|eot_id|>", "<|start_header_id|>",
+                "<|end_header_id|>", "<start_of_turn>", "<end_of_turn>")
 
 
 class HFTokenizer:
@@ -33,11 +37,11 @@ class HFTokenizer:
             raise ConfigError("a tokenizer.json needs the tokenizers library: "
                               "pip install 'megatrain-jax[tokenizers]'") from e
         path = Path(path)
-        file = path / "tokenizer.json" if path.is_dir() else path
+        file = (path / "tokenizer.json" if path.is_dir() else path).resolve()
         if not file.is_file():
             raise ConfigError(f"--tokenizer: no tokenizer.json at '{path}'; give the file, a "
                               "folder holding it, or 'bytes'.")
-        self.name = str(file)
+        self.name = str(file)  # absolute: meta.json names it for readers anywhere
         self.tokenizer = Tokenizer.from_file(str(file))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         settings_file = file.with_name("tokenizer_config.json")
@@ -45,7 +49,9 @@ class HFTokenizer:
         self.special = {k: _token_text(settings[k]) for k in SPECIAL_TOKENS
                         if _token_text(settings.get(k)) is not None}
         self.chat_template, self.template_source = find_chat_template(file.parent, settings)
-        markers = self.chat_template or ""  # tokens a template writes are chat markers
+        # Tokens a template writes are chat markers, and so are the known ones without it
+        # (an instruct tokenizer's folder may hold no template).
+        markers = (self.chat_template or "") + " ".join(CHAT_MARKERS)
         bos, eos = self.special.get("bos_token"), self.special.get("eos_token")
         self.bos_id, self.eos_id = self._id(bos), self._id(eos)
         self.document_bos_id = None if bos and bos in markers else self.bos_id

@@ -353,3 +353,28 @@ def test_the_bound_counts_newton_schulz_for_every_layer_resident_or_streamed():
     assert b["step_s"] > b["compute_forward_s"] + b["compute_backward_s"] + ns_s
     adamw = load_config("7b", ["data.batch_size=16", "data.seq_len=1024"])
     assert presets.PRESETS["H200"].rates(adamw).newton_schulz_s == 0
+
+
+def test_adam_lr_is_the_adamw_rate_and_leaves_the_matrices_alone():
+    """optim.muon.adam_lr scales the AdamW's updates (embedding, head, norms) on optim.lr's
+    schedule; the matrices' updates are Muon's at optim.lr either way."""
+    base = ["optim.name=muon", "optim.lr=0.02", "schedule.warmup_steps=2", "model.layers=1",
+            "optim.muon.ns_steps=1"]
+    shapes = model.abstract(tiny(*base).model)
+    params = jax.tree.map(lambda s: normal(1, s.shape, 0.02), shapes)
+    grads = jax.tree.map(lambda s: normal(2, s.shape), shapes)
+
+    def second_update(cfg):  # step 1 of the warmup: half the peak rate
+        opt = optim.build_optimizer(cfg)
+
+        def two_steps(params, grads):
+            _, state = opt.update(grads, opt.init(params), params)
+            return opt.update(grads, state, params)[0]
+
+        return jax.jit(two_steps)(params, grads)
+
+    follows, own = second_update(tiny(*base)), second_update(tiny(*base, "optim.muon.adam_lr=2e-3"))
+    np.testing.assert_array_equal(own["layers"][0].wq, follows["layers"][0].wq)
+    for leaf in (lambda u: u["embed"].table, lambda u: u["layers"][0].mlp_norm):
+        np.testing.assert_allclose(leaf(own), 0.1 * leaf(follows), rtol=1e-5)
+    assert np.abs(leaf(follows)).max() > 1e-3

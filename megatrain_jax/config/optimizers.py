@@ -35,6 +35,9 @@ class MuonConfig:
     ns_coeffs: str = "standard"
     nesterov: bool = True  # Nesterov momentum, for the matrices and the AdamW alike
     adam_weight_decay: float = 0.0  # AdamW's decay of the embedding, head, norms and biases
+    # The AdamW's peak learning rate, on optim.lr's schedule; 0: optim.lr, as optax's muon.
+    # A rate fit for the matrices (0.01-0.02) is high for the embedding, head and norms.
+    adam_lr: float = 0.0
     # 0: optax's width scaling, sqrt(max(1, fan_out / fan_in)); c > 0: sqrt(max(fan_in,
     # fan_out)) * c, an update of AdamW's RMS at c = 0.2 (optax's consistent_rms).
     consistent_rms: float = 0.0

@@ -78,6 +78,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "optim.muon.beta": ("[0, 1)", ""),
     "optim.muon.ns_steps": ("[1, inf)", ""),
     "optim.muon.adam_weight_decay": ("[0, inf)", ""),
+    "optim.muon.adam_lr": ("[0, inf)", "0: optim.lr"),
     "optim.muon.consistent_rms": ("[0, inf)", "0: optax's width scaling"),
     "schedule.warmup_steps": ("[0, inf)", ""),
     "schedule.decay_steps": ("[0, inf)", "0: until loop.steps"),

@@ -18,9 +18,10 @@ from megatrain_jax.optim.compact import compact_adam
 from megatrain_jax.optim.muon import muon
 
 
-def learning_rate(cfg: Config) -> optax.Schedule:
-    """Linear warmup from 0, then cosine or linear decay to `min_lr_ratio * lr`, or constant."""
-    lr, s = cfg.optim.lr, cfg.schedule
+def learning_rate(cfg: Config, peak: float | None = None) -> optax.Schedule:
+    """Linear warmup from 0, then cosine or linear decay to `min_lr_ratio * lr`, or constant;
+    `peak` in place of optim.lr (Muon's AdamW rate)."""
+    lr, s = cfg.optim.lr if peak is None else peak, cfg.schedule
     decay_steps = max((s.decay_steps or cfg.loop.steps) - s.warmup_steps, 1)
     end = lr * s.min_lr_ratio
     if s.kind == "cosine":
@@ -44,7 +45,8 @@ def build_optimizer(cfg: Config) -> optax.GradientTransformation:
     o = cfg.optim
     lr = learning_rate(cfg)
     if o.name == "muon":
-        return muon(cfg, lr)
+        adam_lr = learning_rate(cfg, o.muon.adam_lr) if o.muon.adam_lr else lr
+        return muon(cfg, lr, adam_lr)
     if o.state_dtype != "float32":  # validate() allowed it for adamw and adam (and muon)
         wd = o.weight_decay if o.name == "adamw" else 0.0
         return compact_adam(lr, o.b1, o.b2, o.eps, wd, decay_mask, o.state_dtype)

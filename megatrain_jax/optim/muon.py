@@ -38,10 +38,12 @@ def muon_dimensions(params):
     return jax.tree.map(of, params, is_leaf=lambda x: isinstance(x, model.LayerParams))
 
 
-def muon(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
+def muon(cfg, lr: optax.Schedule, adam_lr: optax.Schedule | None = None
+         ) -> optax.GradientTransformation:
     """optax.contrib.muon with cfg's settings (config/optimizers.py): Newton–Schulz in
-    optim.muon.ns_dtype for the layers' matrices, AdamW (optim.b1, b2, eps) for the rest;
-    the momentum stored in optim.state_dtype (float32 or bfloat16)."""
+    optim.muon.ns_dtype for the layers' matrices, AdamW (optim.b1, b2, eps) at `adam_lr`
+    (default `lr`, as optax's) for the rest; the momentum stored in optim.state_dtype
+    (float32 or bfloat16)."""
     o, m = cfg.optim, cfg.optim.muon
     mu_dtype = jnp.bfloat16 if o.state_dtype == "bfloat16" else None
     coeffs = _muon._NS_COEFFS_PRESET_DICT[m.ns_coeffs]
@@ -53,8 +55,9 @@ def muon(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
             _muon.scale_by_shape(matrices, m.consistent_rms or None),
             optax.add_decayed_weights(o.weight_decay),
             optax.scale_by_learning_rate(lr)),
-        "adam": optax.adamw(lr, o.b1, o.b2, o.eps, weight_decay=m.adam_weight_decay,
-                            mu_dtype=mu_dtype, nesterov=m.nesterov),
+        "adam": optax.adamw(lr if adam_lr is None else adam_lr, o.b1, o.b2, o.eps,
+                            weight_decay=m.adam_weight_decay, mu_dtype=mu_dtype,
+                            nesterov=m.nesterov),
     }, _labels)
 
 

@@ -47,7 +47,7 @@ def test_bad_override_fails_fast_with_the_key():
     result = _run("train", "tiny", "model.hiden=3")
     assert result.returncode == 2
     assert "Unknown config key 'model.hiden'" in result.stderr
-    assert "Did you mean 'hidden'" in result.stderr
+    assert "Did you mean 'model.hidden'" in result.stderr
 
 
 def test_help_is_useful(capsys):

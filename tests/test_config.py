@@ -49,11 +49,30 @@ def test_gin_file(tmp_path):
     assert cfg.loop.trainer == "reference"
 
 
-def test_gin_unknown_key_fails(tmp_path):
+def test_gin_unknown_key_or_type_names_the_file_and_line(tmp_path):
     pytest.importorskip("gin")
-    (tmp_path / "bad.gin").write_text("model.hiden = 48\n")
-    with pytest.raises(ConfigError, match="Did you mean 'hidden'"):
-        load_config(str(tmp_path / "bad.gin"))
+    bad = tmp_path / "bad.gin"
+    bad.write_text("include 'demo'\n\nmodel.layers = 3\noptim.lrr = 1e-3\n")
+    with pytest.raises(ConfigError, match=f"^{bad}:4: Unknown config key 'optim.lrr'. Did "
+                                          "you mean 'optim.lr'?"):
+        load_config(str(bad))
+    bad.write_text("model.layers = 'three'\n")
+    with pytest.raises(ConfigError, match=f"^{bad}:1: model.layers: expected int, got str"):
+        load_config(str(bad))
+    bad.write_text("include 'nowhere.gin'\n")
+    with pytest.raises(ConfigError, match=f"^{bad}:1: include: No config file 'nowhere.gin'"):
+        load_config(str(bad))
+
+
+def test_a_gin_file_includes_a_shipped_config_by_name(tmp_path, monkeypatch):
+    """`include 'demo'` and the guide's `include 'configs/demo.json'` work from any folder,
+    not only from a clone."""
+    pytest.importorskip("gin")
+    monkeypatch.chdir(tmp_path)
+    for name in ("demo", "configs/demo.json"):
+        (tmp_path / "mine.gin").write_text(f"include '{name}'\nloop.steps = 7\n")
+        cfg = load_config("mine.gin")
+        assert cfg.model == load_config("demo").model and cfg.loop.steps == 7
 
 
 def test_json_base_extends(tmp_path):
@@ -78,7 +97,7 @@ def test_shipped_shapes_match_published_sizes():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("model.hiden=3", "Unknown config key 'model.hiden'. Did you mean 'hidden'"),
+        ("model.hiden=3", "Unknown config key 'model.hiden'. Did you mean 'model.hidden'"),
         ("modle.hidden=3", "Unknown config key 'modle'"),
         ("model.hidden=abc", "model.hidden: expected int, got str"),
         ("model.hidden=1.5", "model.hidden: expected int, got float"),

@@ -29,9 +29,10 @@ def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def _suggest(name: str, valid: typing.Iterable[str]) -> str:
+def _suggest(name: str, valid: typing.Iterable[str], prefix: str = "") -> str:
+    """' Did you mean 'section.key'? Valid keys: ...' for key `name` of section `prefix`."""
     valid = sorted(valid)
-    close = difflib.get_close_matches(name, valid, n=1)
+    close = [prefix + k for k in difflib.get_close_matches(name, valid, n=1)]
     if not close:  # a key given without its section (`steps=5`), or in the wrong one
         everywhere = _dotted_keys(Config)
         close = [k for k in everywhere if k.rsplit(".", 1)[-1] == name] or \
@@ -75,7 +76,7 @@ def from_dict(cls: type, values: dict, prefix: str = "") -> Any:
     for name, value in values.items():
         key = f"{prefix}{name}"
         if name not in fields:
-            raise ConfigError(f"Unknown config key '{key}'.{_suggest(name, fields)}")
+            raise ConfigError(f"Unknown config key '{key}'.{_suggest(name, fields, prefix)}")
         typ = hints[name]
         if dataclasses.is_dataclass(typ):
             kwargs[name] = from_dict(typ, value, key + ".")
@@ -146,15 +147,32 @@ def _read_gin(path: Path) -> dict:
             reason = str(getattr(e, "msg", None) or e).strip().splitlines()[-1].strip(" .")
             raise ConfigError(f"{path}{f':{line}' if line else ''}: gin syntax error: {reason}"
                               + (f" (at `{text}`)" if text else "") + ".") from None
+        where = f"{path}:{statement.location.line_num}"
         if isinstance(statement, config_parser.IncludeStatement):
-            for key, value in _flatten(_read_file(path.parent / statement.filename)):
+            try:
+                included = resolve_config_path(statement.filename, relative_to=path.parent)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: include: {e}") from None
+            for key, value in _flatten(_read_file(included)):
                 _set_path(values, key, value)
         elif isinstance(statement, config_parser.BindingStatement):
             if statement.scope:
-                raise ConfigError(f"{path}: gin scopes ({statement.scope}/) are not supported.")
-            _set_path(values, f"{statement.selector}.{statement.arg_name}", statement.value)
+                raise ConfigError(f"{where}: gin scopes ({statement.scope}/) are not supported.")
+            key = f"{statement.selector}.{statement.arg_name}"
+            _check_binding(key, statement.value, where)
+            _set_path(values, key, statement.value)
         else:
             raise ConfigError(f"{path}: unsupported gin statement {statement!r}.")
+
+
+def _check_binding(key: str, value: Any, where: str) -> None:
+    """Refuses a gin binding of an unknown key or a wrong type, naming its file and line."""
+    try:
+        single: dict = {}
+        _set_path(single, key, value)
+        from_dict(Config, single)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _read_text(path: Path) -> str:
@@ -207,12 +225,19 @@ def shipped_configs() -> dict[str, Path]:
 
 
 def resolve_config_path(name: str, relative_to: Path | None = None) -> Path:
-    for candidate in (Path(name), (relative_to or Path.cwd()) / name):
+    """A config file: `name` beside the file that names it (`relative_to`), or from the
+    working folder, or a shipped config, by name (`demo`) or as the docs spell it from a
+    clone (`configs/demo.json`)."""
+    for candidate in ((relative_to or Path.cwd()) / name, Path(name)):
         if candidate.is_file():
             return candidate
     shipped = shipped_configs()
     if name in shipped:
         return shipped[name]
+    as_shipped = shipped.get(Path(name).stem)
+    if as_shipped is not None and Path(name).name == as_shipped.name and \
+            Path(name).parent.name == "configs":
+        return as_shipped
     raise ConfigError(
         f"No config file '{name}', and no shipped config of that name. "
         f"Shipped configs: {', '.join(shipped)}."

@@ -22,7 +22,7 @@ FIELDS = ("loss", "lr", "grad_norm", "skipped_steps", "tokens_per_s", "mfu",
 def run_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("run")
     cfg = tiny("model.layers=3", "loop.steps=5", "loop.log_every=1", f"loop.run_dir={path}",
-               "loop.timeline_step=2", "loop.progress=none", "stream.speculate=on",
+               "loop.timeline_step=3", "loop.progress=none", "stream.speculate=on",
                "optim.clip_norm=0")  # every part but the embedding updated during the backward
     with pytest.MonkeyPatch.context() as patch:  # every speculative update runs, none dropped
         patch.setattr(speculation, "DROP_LATE_SPECULATION", False)

@@ -216,7 +216,9 @@ class LoopConfig:
     # from the checkpoint's run (refused otherwise, naming what changed).
     accept_changes: bool = False
     max_skipped_steps: int = 3  # consecutive steps with non-finite gradients that stop the run
-    timeline_step: int = 2  # this step's per-layer timeline goes to RUN_DIR/timeline.json; -1: none
+    # This step's per-layer timeline goes to RUN_DIR/timeline.json (steps counted from 1, as
+    # metrics.jsonl and `report` count them); -1: none.
+    timeline_step: int = 3
     tensorboard: str = "auto"  # event files in RUN_DIR/tensorboard: auto (when installed), on, off
     eval_every: int = 0  # steps between evaluations on the validation split; 0: none
     eval_batches: int = 4  # batches per evaluation (the same ones every time)

@@ -246,7 +246,7 @@ def _step(cfg: Config, trainer, state, data: TokenSource, step: int,
     """Trains step `step` (0-based): (state, metrics, whether the step was skipped)."""
     if ckpt is not None and ckpt.failed() is not None:
         raise ckpt.failed()  # a save that failed ends the run
-    timeline = Timeline() if step == cfg.loop.timeline_step else None
+    timeline = Timeline() if step + 1 == cfg.loop.timeline_step else None  # counted from 1
     before_write = ckpt.wait_captured if ckpt is not None else None  # a save may capture
     state, metrics = trainer.train_step(state, data.batch_at(step), tracer=timeline,
                                         before_write=before_write)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from megatrain_jax.config import (
@@ -87,17 +88,31 @@ def cmd_train(args) -> int:
         print(f"megatrain-jax: {e}", file=sys.stderr)
         return e.status
     if summary.pop("finished_before", False):
-        held = (f"its checkpoint {summary['steps']} is its last step"
-                if summary["checkpoint"] is not None else
-                "its records reach its last step and it kept no checkpoint")
-        print(f"megatrain-jax: {cfg.loop.run_dir} is finished: {held} (loop.steps="
-              f"{cfg.loop.steps}); nothing to do, nothing written. Raise loop.steps "
-              "to train on.", file=sys.stderr)
+        if summary["checkpoint"] is not None:
+            held = (f"its checkpoint {summary['steps']} is its last step (loop.steps="
+                    f"{cfg.loop.steps}); nothing to do. To train on: {_train_on(args, cfg)}")
+        else:
+            held = (f"its records reach its last step (loop.steps={cfg.loop.steps}) and it kept "
+                    "no checkpoint to go on from; nothing to do, nothing written")
+        print(f"megatrain-jax: {cfg.loop.run_dir} is finished: {held}", file=sys.stderr)
     elif "time" in summary:
         print(f"megatrain-jax: {time_line(summary)}; kept {summary['kept']}", file=sys.stderr)
     summary.pop("state", None)
     print(json.dumps(summary))
     return 0
+
+
+def _train_on(args, cfg) -> str:
+    """The command that continues a finished run for as many steps again. Where the schedule
+    decays until loop.steps, a longer run would change the rates of the steps already taken
+    (which resume refuses), so the decay keeps its old length and the rate stays at its end."""
+    steps = cfg.loop.steps
+    new = [f"loop.steps={2 * steps}"]
+    if cfg.schedule.decay_steps == 0 and cfg.schedule.kind != "constant":
+        new.append(f"schedule.decay_steps={steps}")
+    kept = [o for o in args.overrides if o.split("=", 1)[0] not in ("loop.steps",
+                                                                     "schedule.decay_steps")]
+    return shlex.join(["megatrain-jax", "train", args.config, *kept, *new])
 
 
 def cmd_plan(args) -> int:

@@ -4,6 +4,7 @@ and `prepare` reading its inputs exactly."""
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import struct
@@ -18,7 +19,7 @@ import pytest
 from conftest import process_env, tiny
 
 from megatrain_jax.cli import main
-from megatrain_jax.config import Config, ConfigError
+from megatrain_jax.config import Config, ConfigError, load_config
 from megatrain_jax.config.load import _dotted_keys
 from megatrain_jax.config.ranges import RANGES
 from megatrain_jax.io import array_files
@@ -347,6 +348,15 @@ def test_a_finished_run_exits_0_saying_so_and_fewer_steps_than_its_checkpoint_ex
     summary = json.loads(captured.out)
     assert summary["steps"] == 8 and summary["last_loss"] == _losses(lone)[8]
     assert (run / "metrics.jsonl").read_bytes() == before
+    # The hint is a command that resumes, where raising loop.steps alone would be refused.
+    hint = shlex.split(captured.err.split("To train on: ")[1])
+    assert hint[:3] == ["megatrain-jax", "train", "tiny"] and hint[-2:] == [
+        "loop.steps=16", "schedule.decay_steps=8"]
+    folder = run / "checkpoints" / "8"
+    meta = json.loads((folder / "manifest.json").read_text())["meta"]
+    check_continues(load_config("tiny", hint[3:]), meta, folder)
+    with pytest.raises(ConfigError, match="would change the steps its run had planned"):
+        check_continues(load_config("tiny", hint[3:-1]), meta, folder)
     assert main(["train", "tiny", *_args(run, "loop.steps=6")]) == 2
     assert _last_line(capsys).startswith(
         f"megatrain-jax: config error: {run / 'checkpoints'} already holds step 8, past "

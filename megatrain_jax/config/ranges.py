@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from megatrain_jax.config.auto import MAX_POSITION
+from megatrain_jax.config.errors import ConfigError
 
 INF = math.inf
 SEED_END = 2**63  # seeds go to NumPy and JAX as 64-bit integers
@@ -119,8 +120,6 @@ def value_at(cfg, key: str):
 def check_ranges(cfg) -> None:
     """Raises ConfigError for the first setting outside its range, naming the key, its value
     and the range."""
-    from megatrain_jax.config.schema import ConfigError
-
     for key, (text, meaning) in RANGES.items():
         value, interval = value_at(cfg, key), Interval.parse(text)
         if value not in interval:

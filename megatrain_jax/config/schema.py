@@ -12,12 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatrain_jax.config.auto import grad_dtype
+from megatrain_jax.config.errors import ConfigError
 from megatrain_jax.config.optimizers import NS_COEFFS, NS_DTYPES, MuonConfig, optimizer_checks
 from megatrain_jax.config.ranges import check_ranges
-
-
-class ConfigError(ValueError):
-    """A configuration key or value is wrong; the message says which and what would be right."""
 
 
 @dataclass(frozen=True)

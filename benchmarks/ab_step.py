@@ -76,8 +76,8 @@ def main() -> None:
     import numpy as np
 
     from megatrain_jax.io.data import TokenSource
-    from megatrain_jax.tools.machine import host_rss_bytes, peak_device_bytes
     from megatrain_jax.train import StreamTrainer
+    from megatrain_jax.train.machine import host_rss_bytes, peak_device_bytes
 
     trainer = StreamTrainer(cfg)
     engine, data = trainer.engine, TokenSource(cfg)

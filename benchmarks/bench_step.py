@@ -37,7 +37,7 @@ from common import emit, still_falling  # noqa: E402
 from common import tokens_per_s as steps_tokens_per_s  # noqa: E402
 
 from megatrain_jax.config import load_config, to_dict  # noqa: E402
-from megatrain_jax.config.memory import plan_of  # noqa: E402
+from megatrain_jax.planning.memory import plan_of  # noqa: E402
 from megatrain_jax.planning.presets import at_optimizer_rate, expected_seconds  # noqa: E402
 from megatrain_jax.planning.roofline import (  # noqa: E402
     Rates,
@@ -75,8 +75,8 @@ def main() -> None:
 
     import jax
 
-    from megatrain_jax.tools.machine import host_rss_now_bytes
     from megatrain_jax.train import make_trainer
+    from megatrain_jax.train.machine import host_rss_now_bytes
 
     jax.devices()  # the backend up: what the process holds before any state
     rss_start = host_rss_now_bytes()
@@ -102,14 +102,14 @@ def run(cfg, trainer, state, args):
 
     from megatrain_jax.io.data import TokenSource
     from megatrain_jax.stream.placement import memory_kinds
-    from megatrain_jax.tools.machine import (
+    from megatrain_jax.tools.measure import measure
+    from megatrain_jax.train.machine import (
         host_rss_bytes,
         host_rss_parts_bytes,
         memory_gbps,
         peak_device_bytes,
         peak_flops,
     )
-    from megatrain_jax.tools.measure import measure
 
     data = TokenSource(cfg)
 

@@ -57,8 +57,7 @@ def compare(run_dir: str) -> dict:
 
     from megatrain_jax.stream import speculation
     from megatrain_jax.stream.mesh import state_spec
-    from megatrain_jax.tools import machine
-    from megatrain_jax.train import train
+    from megatrain_jax.train import machine, train
 
     out = {"devices": jax.device_count()}
     speculation.DROP_LATE_SPECULATION = False  # every one runs: the test counts them

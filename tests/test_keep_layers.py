@@ -10,10 +10,10 @@ import pytest
 from conftest import Transfers, agrees_with_reference_while_clipping, max_rel_error, tiny
 
 from megatrain_jax import model, optim
-from megatrain_jax.config import ConfigError, load_config, memory
-from megatrain_jax.config.memory import PlacementPlan
+from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.io.data import TokenSource
-from megatrain_jax.planning import planner, presets
+from megatrain_jax.planning import memory, planner, presets
+from megatrain_jax.planning.memory import PlacementPlan
 from megatrain_jax.stream import StreamEngine
 from megatrain_jax.train import trainers
 

@@ -11,9 +11,9 @@ import pytest
 from conftest import max_rel_error, normal, tiny
 
 from megatrain_jax import model
-from megatrain_jax.config import ConfigError, load_config, memory, memory_lines
+from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.model import replay
-from megatrain_jax.planning import planner, presets
+from megatrain_jax.planning import memory, memory_lines, planner, presets
 from megatrain_jax.train import trainers
 
 GiB = 2**30

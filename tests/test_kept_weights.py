@@ -11,10 +11,10 @@ import pytest
 from conftest import Transfers, tiny
 
 from megatrain_jax import model
-from megatrain_jax.config import ConfigError, load_config, memory
-from megatrain_jax.config.memory import PlacementPlan
+from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.io.data import TokenSource
-from megatrain_jax.planning import planner, presets, roofline
+from megatrain_jax.planning import memory, planner, presets, roofline
+from megatrain_jax.planning.memory import PlacementPlan
 from megatrain_jax.tools import plan
 from megatrain_jax.train import StreamTrainer, trainers
 

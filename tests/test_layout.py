@@ -54,14 +54,10 @@ def _imports(path: Path) -> list[list[str]]:
     return found
 
 
-def _leaf(module: str) -> bool:
-    """A module that imports nothing of the package (a utility any layer may use)."""
-    path = PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    return path.is_file() and not any(n.startswith("megatrain_jax")
-                                      for names in _imports(path) for n in names)
-
-
 def test_imports_go_downward_only():
+    """Every import of the package, a small utility's too, goes to its own layer or below: a
+    utility that two layers share lives in the lower (the progress line in io, what the
+    machine has in planning), so no layer leans on one above it."""
     upward = []
     for path in _modules():
         relative = path.relative_to(PACKAGE).with_suffix("")
@@ -69,8 +65,6 @@ def test_imports_go_downward_only():
         if own is None:
             continue
         for names in _imports(path):
-            if any(_leaf(n) for n in names):
-                continue
             targets = [t for t in (_layer(n) for n in names) if t is not None]
             if targets and max(targets) > own:
                 upward.append(f"{relative}: imports {names[0]}")
@@ -87,3 +81,69 @@ def test_every_package_is_in_the_distribution():
     found = {".".join(p.parent.relative_to(PACKAGE.parent).parts)
              for p in PACKAGE.rglob("__init__.py")}
     assert found <= listed, sorted(found - listed)
+
+
+def test_config_holds_what_users_write():
+    """config/ is the schema, its loading, ranges and the Hugging Face mapping: the cost
+    model and the decisions made from it live in planning/, and config/ reads none of it."""
+    offenders = [f"{p.relative_to(PACKAGE)}: imports {names[0]}"
+                 for p in sorted((PACKAGE / "config").glob("*.py")) for names in _imports(p)
+                 if any(n.startswith("megatrain_jax.planning") for n in names)]
+    assert not offenders, "\n".join(offenders)
+    assert not [p.name for p in (PACKAGE / "config").glob("*.py")
+                if p.stem in ("memory", "memory_lines", "optimizer_state")]
+
+
+def _module_of(name: str) -> str | None:
+    """The package's module `name` names (a module, or a package's __init__), else None."""
+    if not name.startswith("megatrain_jax"):
+        return None
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+        return name
+    return None
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each module of the package and the modules its import statements name, at any depth
+    (a function's own imports too): `from a import b` names a.b where b is a module, else a.
+    The parents Python imports on the way (a's __init__ for a.b) are not counted."""
+    graph = {}
+    for path in _modules():
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        edges = set()
+        for names in _imports(path):
+            found = [m for m in map(_module_of, names[1:]) if m] or [_module_of(names[0])]
+            edges.update(m for m in found if m and m != name)
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_cycle():
+    """No module reaches itself through the modules it imports, and no layer does through
+    the layers it imports (config's ranges and schema once imported each other)."""
+    def cycle(graph):
+        done, path = set(), []
+
+        def visit(node):
+            if node in path:
+                return path[path.index(node):] + [node]
+            if node in done:
+                return None
+            path.append(node)
+            found = next((c for c in map(visit, sorted(graph.get(node, ()))) if c), None)
+            path.pop()
+            done.add(node)
+            return found
+
+        return next((c for c in map(visit, sorted(graph)) if c), None)
+
+    modules = _import_graph()
+    assert cycle(modules) is None, " -> ".join(cycle(modules))
+    layers = {}
+    for module, targets in modules.items():
+        own = module.split(".")[1] if "." in module else module
+        layers.setdefault(own, set()).update(
+            t.split(".")[1] for t in targets if "." in t and t.split(".")[1] != own)
+    assert cycle(layers) is None, " -> ".join(cycle(layers))

@@ -167,7 +167,7 @@ def test_a_run_of_several_processes_refuses_an_export_without_checkpoints_before
 
 def test_the_plan_is_per_gpu_for_a_mesh_and_the_host_holds_one_state():
     from megatrain_jax.config import load_config
-    from megatrain_jax.config.memory import PlacementPlan
+    from megatrain_jax.planning.memory import PlacementPlan
     from megatrain_jax.planning.planner import pinned_config
     from megatrain_jax.tools import plan
 

@@ -27,8 +27,8 @@ from nnx_list_model import ListModel, summed_loss
 
 from megatrain_jax import model, optim, streaming
 from megatrain_jax.config import ConfigError
-from megatrain_jax.config.optimizer_state import muon_bytes
 from megatrain_jax.io.data import TokenSource
+from megatrain_jax.planning.optimizer_state import muon_bytes
 from megatrain_jax.stream.placement import parts
 from megatrain_jax.train import train
 
@@ -85,7 +85,7 @@ def test_twenty_clipped_steps_match_the_whole_model_reference(run):
 
 def test_muon_orthogonalizes_the_layer_matrices_and_keeps_adamw_for_the_rest(run):
     """The state the engine keeps is Muon's: one momentum for each layer matrix, AdamW's two
-    moments for the embedding, head, norms and biases, as config/optimizer_state.py counts."""
+    moments for the embedding, head, norms and biases, as planning/optimizer_state.py counts."""
     state, cfg = run["state"], run["cfg"]
     for part, params, kind in ((state.opt_state["layers"][1], state.params["layers"][1],
                                 "layers"),
@@ -294,7 +294,8 @@ def test_a_flax_model_with_optax_muon_trains_like_jax_grad():
 
 
 def test_plan_counts_half_adamws_host_state_at_7b():
-    from megatrain_jax.config import load_config, memory
+    from megatrain_jax.config import load_config
+    from megatrain_jax.planning import memory
 
     def state_per_param(*overrides):
         cfg = load_config("7b", list(overrides))
@@ -331,8 +332,8 @@ def test_the_bound_counts_newton_schulz_for_every_layer_resident_or_streamed():
     import dataclasses
 
     from megatrain_jax.config import load_config
-    from megatrain_jax.config.memory import PlacementPlan
     from megatrain_jax.planning import device_update, presets, roofline
+    from megatrain_jax.planning.memory import PlacementPlan
 
     cfg = load_config("7b", ["optim.name=muon", "optim.muon.ns_dtype=float32",
                              "data.batch_size=16", "data.seq_len=1024"])

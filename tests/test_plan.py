@@ -11,9 +11,9 @@ import time
 import pytest
 
 from megatrain_jax.cli import main
-from megatrain_jax.config import ConfigError, load_config, memory, shipped_configs
-from megatrain_jax.config.memory_lines import placement_lines
-from megatrain_jax.planning import planner, presets, roofline
+from megatrain_jax.config import ConfigError, load_config, shipped_configs
+from megatrain_jax.planning import memory, planner, presets, roofline
+from megatrain_jax.planning.memory_lines import placement_lines
 from megatrain_jax.tools import measure, plan
 
 GiB = 2**30
@@ -195,7 +195,7 @@ def test_plan_command_shows_components_fit_and_compute_bound_point(capsys, monke
 @pytest.fixture
 def small_samples(monkeypatch):
     """The rate measurement on smaller samples than a real machine's (the same code)."""
-    from megatrain_jax.tools import machine
+    from megatrain_jax.train import machine
 
     monkeypatch.setattr(plan, "OPTIMIZER_SAMPLE", 8 * 2**20)
     sized = machine.memory_gbps
@@ -207,7 +207,7 @@ def test_the_shared_bandwidth_counts_the_transfer_beside_the_kernel():
     """memory_gbps(beside=(move, nbytes)) adds the bytes of every move that ended within the
     kernel's window: here up to twenty 1 TB "moves" in 0.2 s, so that even one of them, on a
     loaded machine, lifts the rate far above what the kernel alone can vary by."""
-    from megatrain_jax.tools import machine
+    from megatrain_jax.train import machine
 
     alone = machine.memory_gbps(mfloats=8)
     moves = []
@@ -593,7 +593,7 @@ def test_plan_extrapolates_a_measured_run_to_another_depth(capsys, tmp_path):
 def test_the_gpus_counted_are_those_cuda_visible_devices_leaves(monkeypatch):
     """A run on some of a machine's GPUs is planned for those (one GPU: bf16 gradients and
     its pool), not for every GPU nvidia-smi lists."""
-    from megatrain_jax.tools import probe
+    from megatrain_jax.planning import probe
 
     for visible, count in (("0", 1), ("0,1,2,3", 4), ("2,3", 2), ("", 1)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)

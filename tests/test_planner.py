@@ -11,10 +11,10 @@ import pytest
 from conftest import max_rel_error, tiny
 
 from megatrain_jax.cli import main
-from megatrain_jax.config import ConfigError, load_config, memory
-from megatrain_jax.config.memory import HEADROOM, PlacementPlan
+from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.io.data import TokenSource
-from megatrain_jax.planning import planner, presets, roofline
+from megatrain_jax.planning import memory, planner, presets, roofline
+from megatrain_jax.planning.memory import HEADROOM, PlacementPlan
 from megatrain_jax.train import ReferenceTrainer, StreamTrainer, train
 
 GiB = 2**30

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import tiny
 
+from megatrain_jax.io.progress import Progress
 from megatrain_jax.stream import speculation
-from megatrain_jax.tools.progress import Progress
 from megatrain_jax.tools.report import ReportError, report
 from megatrain_jax.train import train
 
@@ -151,7 +151,7 @@ def test_resident_memory_splits_into_heap_and_mapped_files():
     buffer shows in `anon` (Linux; elsewhere nothing is reported)."""
     import numpy as np
 
-    from megatrain_jax.tools.machine import host_rss_now_bytes, host_rss_parts_bytes
+    from megatrain_jax.train.machine import host_rss_now_bytes, host_rss_parts_bytes
 
     before = host_rss_parts_bytes()
     if not before:
@@ -168,7 +168,7 @@ def test_the_gpu_peak_is_the_fullest_device_s(monkeypatch):
     not device 0 alone."""
     import jax
 
-    from megatrain_jax.tools import machine
+    from megatrain_jax.train import machine
 
     class Device:
         def __init__(self, peak):

@@ -12,10 +12,10 @@ import pytest
 from conftest import CLIPPED, Transfers, agrees_with_reference_while_clipping, tiny
 
 from megatrain_jax import model
-from megatrain_jax.config import load_config, memory, memory_lines
-from megatrain_jax.config.memory import PlacementPlan
+from megatrain_jax.config import load_config
 from megatrain_jax.io.data import TokenSource
-from megatrain_jax.planning import planner, presets, roofline
+from megatrain_jax.planning import memory, memory_lines, planner, presets, roofline
+from megatrain_jax.planning.memory import PlacementPlan
 from megatrain_jax.stream.placement import memory_kinds
 from megatrain_jax.tools import plan
 from megatrain_jax.train import StreamTrainer, trainers

@@ -47,7 +47,7 @@ def slope(points: list[tuple[int, float]]) -> float:
 def trimmed_rss() -> int | None:
     """RSS after glibc's malloc_trim(0) (None where there is no glibc)."""
     from megatrain_jax.stream.updates import release_free_heap
-    from megatrain_jax.tools.machine import host_rss_now_bytes
+    from megatrain_jax.train.machine import host_rss_now_bytes
 
     return host_rss_now_bytes() if release_free_heap() else None
 
@@ -74,8 +74,8 @@ def main() -> None:
 
     from megatrain_jax.io.data import TokenSource
     from megatrain_jax.stream import engine
-    from megatrain_jax.tools.machine import host_rss_parts_bytes, memory_record
     from megatrain_jax.train import make_trainer
+    from megatrain_jax.train.machine import host_rss_parts_bytes, memory_record
 
     if args.renew_every is not None:
         engine.RENEW_EVERY = args.renew_every or sys.maxsize

@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatrain_jax.stream.updates import release_free_heap  # noqa: E402  (no JAX in it)
-from megatrain_jax.tools.machine import host_rss_bytes, host_rss_parts_bytes  # noqa: E402
+from megatrain_jax.train.machine import host_rss_bytes, host_rss_parts_bytes  # noqa: E402
 
 GiB = 2**30
 

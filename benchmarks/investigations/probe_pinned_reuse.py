@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatrain_jax.tools.machine import host_rss_now_bytes  # noqa: E402
+from megatrain_jax.train.machine import host_rss_now_bytes  # noqa: E402
 
 ARRAYS, SIZE, ITERATIONS, SKIP = 64, 1 << 18, 1500, 100
 MODES = ("h2d_persist", "d2h_fresh", "h2d_fresh", "pointer", "shard_data", "h2d_then_ptr",

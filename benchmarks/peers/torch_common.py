@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import emit  # noqa: E402, F401  (the peers' one JSON object, as every benchmark's)
 
-from megatrain_jax.tools.machine import PEAK_FLOPS  # noqa: E402  (a table: JAX not started)
+from megatrain_jax.planning.presets import PEAK_FLOPS  # noqa: E402  (a table: JAX not started)
 
 SHAPES = sorted(p.stem for p in (ROOT / "configs").glob("*.json"))
 

@@ -42,8 +42,8 @@ import numpy as np
 from megatrain_jax.config import ConfigError
 from megatrain_jax.io.chat_template import compile_chat_template
 from megatrain_jax.io.data import META
+from megatrain_jax.io.progress import Progress
 from megatrain_jax.io.tokenizer import load_tokenizer
-from megatrain_jax.tools.progress import Progress
 
 
 def _decode(data: bytes, where: str, errors: str, start: int = 0, json_line: bool = False):

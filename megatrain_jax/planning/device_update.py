@@ -25,7 +25,7 @@ which at 7b (32 layers of four 4096 x 4096 projections and three 4096 x 11008) i
 from __future__ import annotations
 
 from megatrain_jax.config import Config, layer_grad_dtype
-from megatrain_jax.config.optimizer_state import model_state_bytes
+from megatrain_jax.planning.optimizer_state import model_state_bytes
 
 # fp32 matmuls at XLA's default precision on an H100 or H200 run as TF32, at about half the
 # rate of the bf16 layer matmuls the presets measure (an estimate; bench_step measures the

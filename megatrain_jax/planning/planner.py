@@ -35,11 +35,11 @@ import dataclasses
 
 import numpy as np
 
-from megatrain_jax.config import HOST_OPTIMIZERS, Config, ConfigError, auto, memory
-from megatrain_jax.config.memory import HEADROOM, PlacementPlan
+from megatrain_jax.config import HOST_OPTIMIZERS, Config, ConfigError, auto
 from megatrain_jax.config.schema import pinned
 from megatrain_jax.io import array_files, checkpoint
-from megatrain_jax.planning import presets, roofline
+from megatrain_jax.planning import memory, presets, roofline
+from megatrain_jax.planning.memory import HEADROOM, PlacementPlan
 
 GiB = 2**30
 # The planner weighs each placement at the given rates and at a host this much slower (its

@@ -20,6 +20,8 @@ from megatrain_jax.config import Config, host_update
 from megatrain_jax.planning.device_update import device_update_gparams, newton_schulz_seconds
 from megatrain_jax.planning.roofline import HOST_UPDATE_BYTES, Rates
 
+# Dense bf16 peak by device kind, for MFU; unknown devices report no MFU.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12}
 
 @dataclasses.dataclass(frozen=True)
 class Machine:

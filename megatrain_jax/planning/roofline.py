@@ -49,8 +49,8 @@ import math
 import numpy as np
 
 from megatrain_jax.config import ModelConfig, host_update, layer_grad_dtype
-from megatrain_jax.config.memory import PlacementPlan, optimizer_bytes, plan_of, saved_per_layer
-from megatrain_jax.tools.probe import planned_devices
+from megatrain_jax.planning.memory import PlacementPlan, optimizer_bytes, plan_of, saved_per_layer
+from megatrain_jax.planning.probe import planned_devices
 
 # Host memory bytes of the in-place AdamW per parameter: p, g, mu, nu read; p, mu, nu written.
 HOST_UPDATE_BYTES = 28

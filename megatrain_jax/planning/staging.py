@@ -7,7 +7,7 @@ copies the state into before training goes on.
 from __future__ import annotations
 
 from megatrain_jax.config import Config
-from megatrain_jax.config.optimizer_state import model_state_bytes
+from megatrain_jax.planning.optimizer_state import model_state_bytes
 from megatrain_jax.config.schema import pinned
 
 

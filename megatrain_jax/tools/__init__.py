@@ -1,2 +1,3 @@
-"""Tools around training: the memory plan (`plan`), the step's bound from measured rates
-(`roofline`), plots and summaries of a run (`report`), and the progress line (`progress`)."""
+"""The commands around training, above everything they use: the memory plan (`plan`,
+`plan_report`), the rates measured on this machine (`measure`), plots and summaries of a run
+(`report`), and the processes of a run over several hosts (`distributed`)."""

@@ -44,8 +44,9 @@ def measure(cfg, engine, state, batch, optimizer_gparams: float = 0.0) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from megatrain_jax.config.memory import plan_of
-    from megatrain_jax.tools import machine, plan
+    from megatrain_jax.planning.memory import plan_of
+    from megatrain_jax.tools import plan
+    from megatrain_jax.train import machine
 
     place, run, block = engine.placement, engine.programs, jax.block_until_ready
     params = state.params
@@ -157,7 +158,7 @@ def measured_config(cfg):
     """What `measure_rates` trains to measure `cfg`'s rates: two of its layers, every part
     streamed (the link and the host update are what it times), random tokens. The pinned
     pool is sized for it (`plan --measure`) before JAX starts."""
-    from megatrain_jax.config.memory import PlacementPlan
+    from megatrain_jax.planning.memory import PlacementPlan
     from megatrain_jax.planning.planner import pinned_config
 
     return pinned_config(dataclasses.replace(

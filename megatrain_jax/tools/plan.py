@@ -23,13 +23,18 @@ from megatrain_jax.config import (
     host_update,
     layer_grad_dtype,
     load_config,
-    memory,
     shipped_configs,
 )
-from megatrain_jax.config.memory import replaced
-from megatrain_jax.config.optimizer_state import model_state_bytes
 from megatrain_jax.io import checkpoint
-from megatrain_jax.planning import device_update, planner, presets
+from megatrain_jax.planning import device_update, memory, planner, presets
+from megatrain_jax.planning.memory import replaced
+from megatrain_jax.planning.optimizer_state import model_state_bytes
+from megatrain_jax.planning.probe import (
+    gpu_memory_bytes,
+    gpu_name,
+    host_memory_available,
+    planned_devices,
+)
 from megatrain_jax.planning.roofline import (  # no JAX
     Rates,
     gradient_bytes,
@@ -37,12 +42,6 @@ from megatrain_jax.planning.roofline import (  # no JAX
     update_bytes,
 )
 from megatrain_jax.planning.staging import staging_pinned_bytes
-from megatrain_jax.tools.probe import (
-    gpu_memory_bytes,
-    gpu_name,
-    host_memory_available,
-    planned_devices,
-)
 
 GiB = 2**30
 RUNTIME, POOL_BOOKKEEPING, POOL_MARGIN = memory.RUNTIME, memory.POOL_BOOKKEEPING, memory.POOL_MARGIN

@@ -11,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from megatrain_jax.config import ConfigError, load_config, memory
-from megatrain_jax.config.memory_lines import describe, placement_lines
-from megatrain_jax.planning import planner, presets, roofline
+from megatrain_jax.config import ConfigError, load_config
+from megatrain_jax.planning import memory, planner, presets, roofline
+from megatrain_jax.planning.memory_lines import describe, placement_lines
 from megatrain_jax.tools import plan
 
 GiB = 2**30

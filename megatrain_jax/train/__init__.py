@@ -1,6 +1,7 @@
 """Training: the trainers (`trainers`: stream and reference behind one protocol), the loop
 (`loop`: a plain for-loop with logging, evaluation, checkpoints), its clean stop on a signal
-(`stop`) and the export of a run's weights (`export`).
+(`stop`), the export of a run's weights (`export`) and what the machine offers and the
+process uses, for the metrics (`machine`).
 
     summary = train(load_config("demo"))      # writes RUN_DIR/config.json, metrics.jsonl
 """

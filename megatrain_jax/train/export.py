@@ -21,8 +21,8 @@ from megatrain_jax.config import Config
 from megatrain_jax.io import hf
 from megatrain_jax.io.checkpoint import Checkpointer, CheckpointError
 from megatrain_jax.io.processes import PeerFailed, Peers
+from megatrain_jax.io.progress import Progress
 from megatrain_jax.io.run_folder import run_config
-from megatrain_jax.tools.progress import Progress
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,

@@ -37,10 +37,10 @@ from megatrain_jax.io.data import TokenSource
 from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.run_folder import RunLock
 from megatrain_jax.stream import Timeline
-from megatrain_jax.tools.machine import memory_record, peak_flops
 from megatrain_jax.train import deterministic
 from megatrain_jax.train.accounting import RunClock, advice
 from megatrain_jax.train.export import export_final
+from megatrain_jax.train.machine import memory_record, peak_flops
 from megatrain_jax.train.outputs import Outputs, evaluate, write_timeline
 from megatrain_jax.train.resume import check_continues, restore, run_record
 from megatrain_jax.train.startup import (

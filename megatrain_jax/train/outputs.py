@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megatrain_jax.config import Config, host_update
 from megatrain_jax.io.data import TokenSource
-from megatrain_jax.tools.progress import Progress
+from megatrain_jax.io.progress import Progress
 from megatrain_jax.train.startup import tensorboard
 
 

@@ -18,15 +18,15 @@ from __future__ import annotations
 import jax
 
 from megatrain_jax import model, optim
-from megatrain_jax.config import Config, ConfigError, layer_grad_dtype, memory
+from megatrain_jax.config import Config, ConfigError, layer_grad_dtype
 from megatrain_jax.config.schema import pinned
 from megatrain_jax.io import hf
+from megatrain_jax.io.progress import Progress
 from megatrain_jax.model import replay
-from megatrain_jax.planning import planner, presets
+from megatrain_jax.planning import memory, planner, presets
+from megatrain_jax.planning.probe import host_memory_available
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
 from megatrain_jax.stream.mesh import make_mesh
-from megatrain_jax.tools.probe import host_memory_available
-from megatrain_jax.tools.progress import Progress
 from megatrain_jax.train.reference import ReferenceTrainer
 
 

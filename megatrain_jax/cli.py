@@ -27,20 +27,13 @@ from megatrain_jax.config import (
 )
 from megatrain_jax.io.checkpoint import CheckpointError
 from megatrain_jax.tools import distributed, plan
+from megatrain_jax.tools.plan_time import param_count
 
 EPILOG = """\
 CONFIG is a shipped config name (see `megatrain-jax configs`) or a .json/.gin file.
 Overrides are section.key=value, e.g. model.layers=4 optim.lr=1e-4 loop.trainer=reference.
 Sections: model, optim, schedule, data, stream, mesh, loop (docs/config.md lists every key).
 """
-
-
-def _count(n: int) -> str:
-    """6.74B, 124.4M, 30.1K: a parameter count at a glance."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}" if unit == "B" else f"{n / scale:.1f}{unit}"
-    return str(n)
 
 
 def cmd_train(args) -> int:
@@ -70,7 +63,7 @@ def cmd_train(args) -> int:
 
     def started(step: int) -> None:
         m = cfg.model
-        print(f"megatrain-jax: {_count(m.num_params)} params, {m.layers} layers, "
+        print(f"megatrain-jax: {param_count(m.num_params)} params, {m.layers} layers, "
               f"{cfg.data.tokens_per_step:,} tokens/step, trainer={cfg.loop.trainer}, "
               f"device={jax.local_devices()[0].device_kind}, run_dir={cfg.loop.run_dir}"
               + (f", resuming at step {step}" if step else "")
@@ -174,7 +167,7 @@ def cmd_configs(args) -> int:
     for name, path in shipped_configs().items():
         cfg = load_config(str(path))
         m = cfg.model
-        print(f"{name:14s}{_count(m.num_params):>8s}  layers={m.layers:<3d} "
+        print(f"{name:14s}{param_count(m.num_params):>8s}  layers={m.layers:<3d} "
               f"hidden={m.hidden:<5d} vocab={m.vocab_size}")
     return 0
 
@@ -245,6 +238,11 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", default=None, metavar="B1,B2,...",
                    help="also the placement and predicted tokens/s at each of these GPU "
                    "budgets in GiB (stream.gpu_budget_gb), e.g. 24,48,80,141")
+    p.add_argument("--tokens", type=float, default=None, metavar="N",
+                   help="also the time N tokens take at the planned speed (e.g. 1e9, 20e9), "
+                   "for steps that clip and steps that do not")
+    p.add_argument("--gpus", type=int, default=None, metavar="K",
+                   help="plan for K GPUs of this kind on one host (as mesh.data=K)")
 
 
 def _add_tools(sub) -> None:

@@ -37,8 +37,7 @@ import numpy as np
 
 from megatrain_jax.config import HOST_OPTIMIZERS, Config, ConfigError, auto
 from megatrain_jax.config.schema import pinned
-from megatrain_jax.io import array_files, checkpoint
-from megatrain_jax.planning import memory, presets, roofline
+from megatrain_jax.planning import memory, presets, roofline, staging
 from megatrain_jax.planning.memory import HEADROOM, PlacementPlan
 
 GiB = 2**30
@@ -117,26 +116,12 @@ def _keeps_pins(cfg: Config, grid: dict):
 
 
 def host_total(cfg: Config, plan: PlacementPlan, devices: int):
-    """Host bytes of a run under `plan` (arrays in its fields give arrays): its pinned state
-    and the run's overhead beside it (memory.host_overhead)."""
+    """Host bytes of a run under `plan` (arrays in its fields give arrays): its pinned state,
+    the run's overhead beside it (memory.host_overhead) and the save's staging area, at
+    least its largest part where the planner sizes it (planning/staging.py)."""
     pinned_bytes = sum(memory.host_state_bytes(cfg, plan, devices).values())
     total = pinned_bytes + sum(memory.host_overhead(cfg, pinned_bytes, devices).values())
-    if cfg.loop.checkpoint_every:  # a save copies the state the GPU holds to the host
-        total = total + checkpoint_copy_bytes(cfg, plan)
-    return total
-
-
-def checkpoint_copy_bytes(cfg: Config, plan: PlacementPlan):
-    """Host bytes a checkpoint's save holds at once of the state in GPU memory under `plan`:
-    each of its threads (io/checkpoint.py) copies one array to the host, writes it and lets
-    it go (io/array_files.DeviceRead), so at most that many of the largest resident arrays
-    (the embedding or the head where they are resident, else a layer's widest matrix), and
-    each its chunk buffer."""
-    m = cfg.model
-    widest = np.where(plan.resident_layers > 0, 4 * m.hidden * max(m.ffn, m.hidden), 0)
-    largest = np.maximum(widest, plan.resident_embeddings * 4 * m.vocab_size * m.hidden)
-    held = checkpoint.THREADS * (largest + array_files.CHUNK)
-    return int(held) if np.ndim(held) == 0 else memory.whole(held)
+    return total + staging.staged_bytes(cfg)
 
 
 def closest(cfg: Config, gpu: int | None, devices: int) -> PlacementPlan:
@@ -161,18 +146,30 @@ _TIE_ORDER = ("resident_layers", "saving_layers", "resident_embeddings", "attent
 
 def resolve(cfg: Config, gpu: int | None, host: int | None, devices: int,
             rates: roofline.Rates) -> Config:
-    """cfg with every placement key the planner's choice (or as pinned)."""
-    return pinned_config(cfg, plan_placement(cfg, gpu, host, devices, rates).plan)
+    """cfg with every placement key the planner's choice (or as pinned), the save's staging
+    area too: whole where the host has room for it beside the rest, else the largest parts
+    that fit. Where every placement key is pinned, only the staging area is decided."""
+    if _placement_pinned(cfg):
+        total = host_total(cfg, memory.plan_of(cfg), devices)
+        room = None if host is None else host - total + staging.staged_bytes(cfg)
+        return memory.replaced(cfg, "stream", save_staging=staging.decide(cfg, room))
+    planned = plan_placement(cfg, gpu, host, devices, rates)
+    room = None if host is None else host - planned.host_total + staging.staged_bytes(cfg)
+    return pinned_config(cfg, planned.plan, staging.decide(cfg, room))
 
 
 def is_resolved(cfg: Config) -> bool:
-    """Whether every placement key of cfg is set (by the planner or by the user)."""
+    """Whether every placement key of cfg and its staging area are set (by the planner or
+    by the user)."""
+    return _placement_pinned(cfg) and cfg.stream.save_staging != "auto"
+
+
+def _placement_pinned(cfg: Config) -> bool:
     try:
         memory.plan_of(cfg)
     except ValueError:
         return False
     return True
-
 
 
 def gpu_budget(cfg: Config, usable: int | None) -> int | None:
@@ -184,11 +181,13 @@ def gpu_budget(cfg: Config, usable: int | None) -> int | None:
     return int(cfg.stream.gpu_budget_gb * GiB)
 
 
-
-def pinned_config(cfg: Config, plan: PlacementPlan) -> Config:
-    """cfg with its placement keys set to `plan`: the engine's numbers, nothing left auto."""
+def pinned_config(cfg: Config, plan: PlacementPlan, save_staging: str = "whole") -> Config:
+    """cfg with its placement keys set to `plan` and the save's staging area to
+    `save_staging` where it is `auto`: the engine's numbers, nothing left auto."""
+    if cfg.stream.save_staging != "auto":
+        save_staging = cfg.stream.save_staging
     return memory.replaced(
-        cfg, "stream", resident_layers=str(plan.resident_layers),
+        cfg, "stream", save_staging=save_staging, resident_layers=str(plan.resident_layers),
         resident_embeddings="on" if plan.resident_embeddings else "off",
         keep_layers=str(plan.saving_layers), keep_attention=str(plan.attention_layers),
         keep_weights=str(plan.weight_layers),
@@ -334,11 +333,15 @@ def _refusal(cfg: Config, grid: dict, gpu: int | None, host: int | None) -> str:
                 f"at least {least / GiB:.1f} GiB of GPU memory with nothing resident, but the "
                 f"GPU budget is {gpu / GiB:.1f} GiB: lower the tokens a micro-batch "
                 "(data.micro_batches, data.seq_len), or raise stream.gpu_budget_gb.")
-    least = grid["host_total"][on_gpu].min()
+    # The placement that needs the least host memory (`closest`, whose table `plan` shows):
+    # its resident layers, not the most any placement fitting the GPU could hold.
+    k = int(np.argmin(np.where(on_gpu, grid["host_total"], np.inf)))
+    least, held = grid["host_total"][k], grid["resident_layers"][k]
     compact = ", optim.state_dtype=bfloat16 or int8" if cfg.optim.name in HOST_OPTIMIZERS else ""
-    most = grid["resident_layers"][on_gpu].max()
     return (f"The model needs {least / GiB:.1f} GiB of host memory ({size} in fp32 with "
-            f"{cfg.optim.name} state; the GPU holds {most} of its {m.layers} layers' state "
+            f"{cfg.optim.name} state; the GPU holds {held} of its {m.layers} layers' state "
             f"within its {(gpu or 0) / GiB:.1f} GiB budget) but only {host / GiB:.1f} GiB is "
-            f"available: use a smaller model{compact}, or a machine with more memory "
-            "(`megatrain-jax plan` shows the largest shape that fits).")
+            f"available{staging.refusal_note(cfg, least - host)}: use a smaller model{compact}, or "
+            "a machine with more memory (`megatrain-jax plan` shows the largest shape that "
+            "fits).")
+

@@ -48,6 +48,12 @@ class Machine:
     # The rate of the causal attention's forward (cuDNN's), FLOP/s / 1e12: it paces a layer at
     # long rows (7b at 1 x 131072 on the H200: 40.6 s a step).
     attention_tflops: float = 450.0
+    # A save (planning/staging.py): the host's copy of host-resident state into the staging
+    # area, and the disk's write and read-back of a checkpoint, GB/s. Not yet measured on
+    # these machines: the H200 box's figures, assumed for every preset until they are.
+    host_copy_gbps: float = 20.0
+    disk_write_gbps: float = 1.5
+    disk_read_gbps: float = 1.5
 
     def rates(self, cfg: Config, devices: int = 1) -> Rates:
         """The roofline's rates for a step of `cfg` on `devices` of this machine's GPUs (the

@@ -3,7 +3,7 @@
     estimate(cfg)          -> {component: bytes} for host and device
     check_fits(cfg)        -> raises ConfigError with the numbers when it cannot fit
     largest_fitting(cfg)   -> the largest shipped shape this machine holds, with cfg's settings
-    checkpoint_disk(cfg)   -> bytes per checkpoint, bytes the run's checkpoints need, free bytes
+    staging.checkpoint_disk(cfg) -> bytes per checkpoint, bytes its checkpoints need, free bytes
 
 Runs before JAX starts, so that the pinned host pool can be sized from the model. The GPU's
 memory is read from nvidia-smi, so that JAX need not start to know it.
@@ -25,10 +25,8 @@ from megatrain_jax.config import (
     load_config,
     shipped_configs,
 )
-from megatrain_jax.io import checkpoint
-from megatrain_jax.planning import device_update, memory, planner, presets
+from megatrain_jax.planning import device_update, memory, planner, presets, staging
 from megatrain_jax.planning.memory import replaced
-from megatrain_jax.planning.optimizer_state import model_state_bytes
 from megatrain_jax.planning.probe import (
     gpu_memory_bytes,
     gpu_name,
@@ -41,7 +39,7 @@ from megatrain_jax.planning.roofline import (  # no JAX
     host_params,
     update_bytes,
 )
-from megatrain_jax.planning.staging import staging_pinned_bytes
+from megatrain_jax.planning.staging import checkpoint_bytes, staging_pinned_bytes
 
 GiB = 2**30
 RUNTIME, POOL_BOOKKEEPING, POOL_MARGIN = memory.RUNTIME, memory.POOL_BOOKKEEPING, memory.POOL_MARGIN
@@ -77,13 +75,24 @@ def placement_summary(cfg: Config) -> str:
                                           "streamed"))
     budget = planner.gpu_budget(cfg, usable_gpu_bytes(gpu_memory_bytes()))
     room = "unknown GPU memory" if budget is None else f"a {budget / GiB:.1f} GiB GPU budget"
-    return (", ".join(parts) + f" ({room}; rates: preset {machine().name}; "
+    return (", ".join(parts) + f" ({room}; rates: {preset_label()}; "
             "`megatrain-jax plan` explains)")
 
 
 def machine() -> presets.Machine:
     """The preset of this machine's GPU (nvidia-smi's name; the H200's where unknown)."""
     return presets.preset_for(gpu_name())
+
+
+def preset_label() -> str:
+    """Which preset the plan's figures are of, said plainly where it is not this machine's:
+    without a GPU (a CPU run) or with one no preset knows, they are the H200's."""
+    name, preset = gpu_name(), machine().name
+    if name is None:
+        return f"preset {preset}: no GPU here, the figures are for an {preset}"
+    if preset.upper() not in name.upper():
+        return f"preset {preset}: none for {name}, the figures are for an {preset}"
+    return f"preset {preset}"
 
 
 def machine_rates(cfg: Config, devices: int | None = None) -> Rates:
@@ -105,10 +114,7 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
         device = {"whole_model_state": 16 * params,
                   "workspace": memory.activations(cfg)["working_set_total"],
                   "saved": m.layers * memory.saved_per_layer(cfg)}
-        host = {}
-        if cfg.loop.checkpoint_every:
-            whole_model = memory.PlacementPlan(m.layers, True)  # every array on the GPU
-            host["checkpoint_copies"] = planner.checkpoint_copy_bytes(cfg, whole_model)
+        host = {"save_staging": staging.staged_bytes(cfg, "whole")}
         return {"host": host, "device": device, "host_total": sum(host.values()),
                 "device_total": sum(device.values()), "devices": n, "pool_state": 0,
                 "config": cfg, "refused": None}
@@ -127,8 +133,7 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
     if overhead["replicas"] <= 0:
         del overhead["replicas"]
     host.update(overhead)
-    if cfg.loop.checkpoint_every:
-        host["checkpoint_copies"] = planner.checkpoint_copy_bytes(run, plan)
+    host["save_staging"] = staging.staged_bytes(run)
     host, device = ({k: int(v) for k, v in d.items()} for d in (host, device))
     return {"host": host, "device": device, "host_total": sum(host.values()),
             "device_total": sum(device.values()), "devices": n, "pool_state": int(pinned),
@@ -172,8 +177,15 @@ def host_bytes_per_param(cfg: Config, gpu: int | None = None,
     compact moments), each placed anew."""
     modes = (STATE_DTYPES if cfg.optim.name in HOST_OPTIMIZERS else
              ("float32", "bfloat16") if cfg.optim.name == "muon" else ("float32",))
-    return {mode: estimate(replaced(cfg, "optim", state_dtype=mode), gpu, host)["host_total"]
+    return {mode: _least_host(replaced(cfg, "optim", state_dtype=mode), gpu, host)
             / cfg.model.num_params for mode in modes}
+
+
+def _least_host(cfg: Config, gpu: int | None, host: int | None) -> int:
+    """The host bytes cfg's run needs: its estimate with the least staging area the planner
+    may choose (the rest of the host it fills with more of it, where it has room)."""
+    est = estimate(cfg, gpu, host)
+    return est["host_total"] - est["host"]["save_staging"] + staging.staged_bytes(cfg)
 
 
 def pinned_pool_bytes(cfg: Config, measuring: bool = False) -> int:
@@ -334,16 +346,3 @@ def set_pool_env(cfg: Config, measuring: bool = False) -> None:
                           str(pool_limit_gib(cfg, held, measuring)))
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_FRACTION))
 
-
-def checkpoint_bytes(cfg: Config) -> int:
-    """Bytes of one checkpoint: the fp32 weights and the optimizer state (as stored) of
-    every parameter."""
-    return 4 * cfg.model.num_params + model_state_bytes(cfg)
-
-
-def checkpoint_disk(cfg: Config) -> dict:
-    """What the run's checkpoints need on the disk of RUN_DIR/checkpoints: `each` checkpoint,
-    `needed` free (keep_checkpoints + 1 at once, less those already there) and `free`."""
-    folder, each = f"{cfg.loop.run_dir}/checkpoints", checkpoint_bytes(cfg)
-    return {"folder": folder, "each": each, "free": checkpoint.free_bytes(folder),
-            "needed": checkpoint.room_needed(folder, cfg.loop.keep_checkpoints, each)}

@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 from megatrain_jax.config import ConfigError, load_config
-from megatrain_jax.planning import memory, planner, presets, roofline
+from megatrain_jax.planning import memory, planner, presets, roofline, staging
 from megatrain_jax.planning.memory_lines import describe, placement_lines
 from megatrain_jax.tools import plan
+from megatrain_jax.tools.plan_time import param_count, time_lines
 
 GiB = 2**30
 
@@ -24,18 +25,24 @@ def _gib(n: float) -> str:
 
 
 def cmd_plan(args) -> int:
-    given = load_config(args.config, args.overrides)
+    for flag, value in (("--tokens", args.tokens), ("--gpus", args.gpus)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} {value:g}: expected a number above 0 (e.g. {flag} "
+                              f"{'20e9' if flag == '--tokens' else '8'}).")
+    gpus = [f"mesh.data={args.gpus}"] if args.gpus else []  # the plan for that many GPUs
+    given = load_config(args.config, [*args.overrides, *gpus])
     host = plan.host_memory_available() if args.host_gb is None else int(args.host_gb * GiB)
     total_gpu = plan.gpu_memory_bytes() if args.gpu_gb is None else int(args.gpu_gb * GiB)
     gpu = plan.usable_gpu_bytes(total_gpu)
     rates, measured, source = _plan_rates(args, given)
     est = plan.estimate(given, gpu, host, rates)
     cfg = est["config"]  # placed: every placement key settled
-    print(f"{cfg.model.num_params / 1e9:.2f}B parameters, {cfg.model.layers} layers, "
+    print(f"{param_count(cfg.model.num_params)} parameters, {cfg.model.layers} layers, "
           f"{cfg.data.tokens_per_step:,} tokens per step, trainer={cfg.loop.trainer}")
     _print_memory(given, cfg, est, gpu, host)
     if cfg.loop.trainer == "stream":
         _print_placement(given, cfg, est, gpu, rates, source, measured)
+        print("\n".join(time_lines(given, cfg, rates, args.tokens, gpu, host)))
     _print_fit(given, est, host, gpu, total_gpu, args)
     if args.budgets:
         _print_budgets(given, host, total_gpu, rates, args.budgets)
@@ -89,37 +96,37 @@ def _print_placement(given, cfg, est: dict, gpu, rates, source: str, measured) -
           f"do not clip, {clipping['step_s']:.3f} s ({tokens / clipping['step_s']:,.0f} "
           f"tokens/s) where they clip; the largest cost: "
           f"{clipping['limited_by'].replace('_', ' ')}")
+    kind = "an " + machine.name if "the figures are for" in source else "the machine kind"
     print(f"expected: {tokens / presets.expected_seconds(b, machine):,.0f} and "
           f"{tokens / presets.expected_seconds(clipping, machine):,.0f} tokens/s (the bound "
           f"times {machine.over_bound:g}, plus {machine.host_drag:.0%} of the host update's "
-          "seconds: what this engine takes on the machine kind)")
-    placement = memory.plan_of(cfg)
-    compute_from = roofline.compute_bound_tokens(
-        cfg.model, rates, tokens, placement.resident_layers, placement.resident_embeddings,
-        placement.unfetched(cfg.model.layers), placement.saving_layers)
-    print(f"compute-bound from about {compute_from:,} tokens per step (now {tokens:,})")
+          f"seconds: what this engine takes on {kind})")
     expected = presets.expected_step(b["step_s"], measured, tokens)
     if expected:
         print(expected)
+    print(staging.save_line(cfg, machine, presets.expected_seconds(b, machine)))
 
 
 def _print_fit(given, est: dict, host, gpu, total_gpu, args) -> None:
     """Whether the run fits, its checkpoints' disk, the largest shipped shape that fits."""
     target = args.host_gb is not None or args.gpu_gb is not None
     where = "the machine of --host-gb/--gpu-gb" if target else "this machine"
-    for name, have, need in (("host", host, est["host_total"]),
-                             ("GPU", gpu, est["device_total"])):
+    budget = planner.gpu_budget(given, gpu)
+    # Each line its own verdict: the host's need against the host, the GPU's (with the room
+    # the planner leaves free) against the GPU budget.
+    for name, have, need, room in (("host", host, est["host_total"], host),
+                                   ("GPU", gpu, est["device_total"],
+                                    None if budget is None else budget - memory.HEADROOM)):
         if have is None:
             print(f"{name} memory: unknown here")
             continue
-        verdict = "does NOT fit" if est["refused"] else "fits"
+        verdict = "fits" if room is None or need <= room else "does NOT fit"
         usable = f" of {_gib(total_gpu).strip()} (XLA's share)" if name == "GPU" else ""
         print(f"{name} memory: {_gib(have).strip()}{usable}, {_gib(need).strip()} needed -> "
               f"{verdict}")
-    disk = plan.checkpoint_disk(est["config"])
-    if not given.loop.checkpoint_every:
-        print(f"checkpoints: off (loop.checkpoint_every=0); each would take "
-              f"{_gib(disk['each']).strip()}")
+    disk = staging.checkpoint_disk(est["config"])
+    if not staging.saves(given):
+        print(f"checkpoints: none (no saves); each would take {_gib(disk['each']).strip()}")
     else:
         verdict = "fits" if disk["needed"] <= disk["free"] else "does NOT fit"
         print(f"checkpoints: {_gib(disk['each']).strip()} each; loop.keep_checkpoints="
@@ -145,12 +152,16 @@ def _print_budgets(given, host, total_gpu, rates, budgets: str) -> None:
     print(f"  {'GiB':>6s}  {'resident':>8s}  {'saving':>6s}  {'kept w.':>7s}  "
           f"{'inputs on host':>14s}  {'tokens/s (no clip / clip)':>26s}")
     usable = plan.usable_gpu_bytes(total_gpu)
+    if host is not None:
+        print(f"  (each on a host of {host / GiB:.1f} GiB and a GPU of "
+              + ("each budget's size, as none is known here: --gpu-gb and --host-gb plan for "
+                 "another machine)" if usable is None else f"{usable / GiB:.1f} GiB usable)"))
     for budget in _budget_list(budgets):
         cfg = memory.replaced(given, "stream", gpu_budget_gb=budget)
-        est = plan.estimate(cfg, usable if usable is not None else int(budget * GiB), host,
-                               rates)
+        gpu = usable if usable is not None else int(budget * GiB)
+        est = plan.estimate(cfg, gpu, host, rates)
         if est["refused"]:
-            print(f"  {budget:6g}  does not fit")
+            print(f"  {budget:6g}  does not fit: {_short_reason(est, host, cfg, gpu)}")
             continue
         run, n = est["config"], est["devices"]
         placement, tokens = memory.plan_of(run), run.data.tokens_per_step
@@ -159,6 +170,15 @@ def _print_budgets(given, host, total_gpu, rates, budgets: str) -> None:
         print(f"  {budget:6g}  {placement.resident_layers:8d}  {placement.saving_layers:6d}  "
               f"{placement.weight_layers:7d}  {placement.host_inputs:14d}  "
               f"{tokens / no_clip:>12,.0f} / {tokens / clip:<11,.0f}")
+
+
+def _short_reason(est: dict, host, cfg, gpu) -> str:
+    """Why a budget's row does not fit, in a few words: the host's or the GPU's bytes."""
+    budget = planner.gpu_budget(cfg, gpu)
+    if budget is not None and est["device_total"] > budget - memory.HEADROOM:
+        return (f"its step needs {(est['device_total'] + memory.HEADROOM) / GiB:.1f} GiB of "
+                "GPU memory")
+    return f"the host needs {est['host_total'] / GiB:.1f} GiB of {(host or 0) / GiB:.1f}"
 
 
 def _budget_list(text: str) -> list[float]:
@@ -201,9 +221,10 @@ def _plan_rates(args, cfg):
         rates = presets.scaled(rates, cfg.data.tokens_per_step / measured_tokens)
         return rates, result, f"from {args.rates}"
     if not args.measure:
-        machine = presets.preset_for(plan.gpu_name())
+        machine = plan.machine()
         return (machine.rates(cfg, plan.planned_devices(cfg)), None,
-                f"preset {machine.name}, {machine.source}; --measure measures them here")
+                f"{plan.preset_label()} ({machine.source} figures); --measure measures this "
+                "machine's")
     from megatrain_jax.tools.measure import measure_rates, measured_config
 
     plan.set_pool_env(measured_config(cfg), measuring=True)  # its two layers, streamed

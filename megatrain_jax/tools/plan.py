@@ -124,7 +124,8 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
     except ConfigError as e:  # the numbers of the placement closest to fitting
         refused = str(e)
         gpu = usable_gpu_bytes(gpu_memory_bytes()) if gpu is None else gpu
-        run = planner.pinned_config(cfg, planner.closest(cfg, planner.gpu_budget(cfg, gpu), n))
+        closest = planner.closest(cfg, planner.gpu_budget(cfg, gpu), n)
+        run = planner.pinned_config(cfg, closest, "1")  # the least staging area, as refused
     plan = memory.plan_of(run)
     device = memory.device_bytes(run, plan, n)
     host = memory.host_state_bytes(run, plan, n)

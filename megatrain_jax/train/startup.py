@@ -26,6 +26,7 @@ from megatrain_jax.io.checkpoint import (
     foreign_steps,
     tree_bytes,
 )
+from megatrain_jax.planning.staging import saves
 from megatrain_jax.train.resume import check_model
 
 
@@ -129,13 +130,6 @@ def checkpointer(cfg: Config, trainer) -> Checkpointer | None:
                 raise
             ckpt.no_room = str(e)  # the final and stop saves are skipped, and the run says so
     return ckpt
-
-
-def saves(cfg: Config) -> bool:
-    """Whether the run may write checkpoints: every loop.checkpoint_every steps, of its last
-    step (loop.final_checkpoint), or of a step a signal stopped it at (loop.stop_save)."""
-    loop = cfg.loop
-    return bool(loop.checkpoint_every or loop.final_checkpoint or loop.stop_save)
 
 
 def kept(cfg: Config, ckpt: Checkpointer | None = None) -> str:

@@ -162,8 +162,11 @@ def main() -> None:
     np.save(tokens, np.random.default_rng(0).integers(0, SHAPE["vocab_size"], 50_000)
             .astype(np.int32))
     specs = variants(work, folder, tokens)
-    results = [run_variant(name, spec, work) for name, spec in specs.items()]
-    results.append(parity(specs["cli"], work))
+    only = [n for n in os.environ.get("VARIANTS", "").split(",") if n]  # e.g. cli,parity
+    results = [run_variant(name, spec, work) for name, spec in specs.items()
+               if not only or name in only]
+    if not only or "parity" in only:
+        results.append(parity(specs["cli"], work))
     (out / "gemm_fallback.json").write_text(json.dumps(
         {"hf_folder_saved_by": saved_by, "results": results}, indent=1))
     print(f"HF folder saved by {saved_by}; JSON: {out / 'gemm_fallback.json'}")

@@ -342,7 +342,8 @@ def set_pool_env(cfg: Config, measuring: bool = False) -> None:
     """Sizes XLA's pinned host pool (the host state and a save's capture of the GPU's) and the
     GPU's share for a resolved cfg before JAX starts; a value in the environment wins."""
     devices = planned_devices(cfg)
-    held = pinned_bytes(cfg) + devices * staging_pinned_bytes(cfg, devices)
+    saving = planner.is_resolved(cfg)  # else no run: export and sample save nothing
+    held = pinned_bytes(cfg) + devices * (staging_pinned_bytes(cfg, devices) if saving else 0)
     os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
                           str(pool_limit_gib(cfg, held, measuring)))
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_FRACTION))

@@ -72,6 +72,7 @@ def test_report_writes_valid_pngs_and_a_summary(run_dir):
     text = "\n".join(lines)
     assert "steps 5" in text and "tokens/s" in text and "timeline of step 3" in text
     assert "peak GPU: not reported (no GPU)" in text  # the CPU reports no device memory
+    assert "last attempt's run time" in text and "save stalls" in text and "goodput" in text
     assert ("speculative update: 4 of 5 logged steps updated 16 parts early (during their "
             "backward), 0 undone") in text
 

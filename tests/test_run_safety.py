@@ -604,3 +604,16 @@ def test_the_summary_splits_the_run_time_and_adds_up_to_its_wall_time(lone, tmp_
     assert split["other_s"] < 0.2 * split["wall_s"]  # nothing large left unaccounted
     step_s = tiny().data.tokens_per_step / summary["step_tokens_per_s"]  # the steps' median
     assert summary["goodput"] == pytest.approx(8 * step_s / split["wall_s"], rel=1e-3)
+
+
+def test_deterministic_runs_set_xlas_flag_before_jax_starts(tmp_path, monkeypatch, capsys):
+    from megatrain_jax.train import deterministic
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after
+    run = tmp_path / "run"
+    assert main(["train", "tiny", *_args(run, "loop.deterministic=true", "loop.steps=2",
+                                         "loop.checkpoint_every=0")]) == 0
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags.count(deterministic.FLAG) == 1
+    deterministic.set_env()  # once only
+    assert os.environ["XLA_FLAGS"].split().count(deterministic.FLAG) == 1

@@ -44,6 +44,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def time_line(summary: dict) -> str:
+    """Where the last finished attempt's time went (train/accounting.py's split)."""
+    from megatrain_jax.train.accounting import time_line as line
+
+    return "last attempt's " + line(summary)
+
+
 def summarize(metrics: list[dict], timeline: dict | None) -> list[str]:
     """A few lines: progress, speed, memory, where the step's time goes."""
     first, last = metrics[0], metrics[-1]
@@ -202,4 +209,8 @@ def report(run_dir: str | Path) -> tuple[list[Path], list[str]]:
     if timeline:
         plot_timeline(plt, run_dir / "timeline.png", timeline)
         written.append(run_dir / "timeline.png")
-    return written, summarize(metrics, timeline)
+    lines = summarize(metrics, timeline)
+    summary_path = run_dir / "summary.json"  # written by a finished attempt
+    if summary_path.exists():
+        lines.append(time_line(json.loads(summary_path.read_text())))
+    return written, lines

@@ -2,8 +2,9 @@
 
     clock = RunClock()                        # at the start of `train`
     clock.first_step()                        # startup ends
+    clock.saved(seconds, waited)              # time spent starting a save, after a step
     clock.step(seconds, saving)               # each step; `saving`: a save's capture was
-    clock.saved(seconds)                      #   under way; time spent starting a save
+                                              #   under way (or began just before it)
     clock.evaluated(seconds)
     clock.summary(tokens_per_step)            # {"time": {...}, "goodput": ...}
 
@@ -34,13 +35,15 @@ class RunClock:
     stalls: list = field(default_factory=list)  # the run's time each save cost, as measured
     waits: list = field(default_factory=list)  # of which each waited for the save before
     _open_stall: float | None = None  # the save being measured
+    _opened_at: int = -1  # the count of steps when it began
 
     def first_step(self) -> None:
         self.startup_s = time.perf_counter() - self.began
 
     def step(self, seconds: float, saving: bool) -> None:
+        own_turn = self._opened_at == len(self.step_s)  # the save began after this step
         self.step_s.append((seconds, saving))
-        if self._open_stall is None:
+        if self._open_stall is None or own_turn:
             return
         if saving:
             self._open_stall += max(0.0, seconds - self.median())
@@ -55,10 +58,14 @@ class RunClock:
         self.waits.append(waited)
         if self._open_stall is not None:
             self.stalls.append(self._open_stall)
-        self._open_stall = seconds
+        self._open_stall, self._opened_at = seconds, len(self.step_s)
 
     def evaluated(self, seconds: float) -> None:
         self.eval_s += seconds
+
+    def aside(self) -> float:
+        """Seconds spent so far starting saves and evaluating: not the steps' own time."""
+        return self.save_s + self.eval_s
 
     def median(self) -> float:
         """The steps' own time: the median of those no save slowed (the first left out)."""

@@ -204,25 +204,24 @@ def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
     tally.clock.first_step()
     if ckpt is not None and ckpt.no_room and not loop.checkpoint_every:
         _note_once(out, tally, "room", f"this run will keep no checkpoint: {ckpt.no_room}")
-    saving = False  # a save's capture may slow the step
+    saved = False
     try:
         for step in range(tally.start, loop.steps):
-            began = time.perf_counter()
-            saving = saving or (ckpt is not None and ckpt.capturing())
+            began, aside = time.perf_counter(), tally.clock.aside()
+            slowed = saved or (ckpt is not None and ckpt.capturing())  # by a save's capture
             state, metrics, was_skipped = _step(cfg, trainer, state, data, step, ckpt, tally)
-            tally.clock.step(time.perf_counter() - began, saving)
             done, last = step + 1, step + 1 == loop.steps
             halted = tally.streak >= loop.max_skipped_steps
             # A save under way when a stop comes ends the run at its step; else one is taken.
             signum, pending = agreed.decide(str(done), last, _none if ckpt is None else ckpt.saving)
             stopping = signum is not None
-            saved = saving = _save(cfg, trainer, state, ckpt, done, tally, was_skipped, halted,
-                                   stopping and pending is None and loop.stop_save, out)
+            saved = _save(cfg, trainer, state, ckpt, done, tally, was_skipped, halted,
+                          stopping and pending is None and loop.stop_save, out)
             if val is not None and not halted and (done % loop.eval_every == 0 or last):
-                began = time.perf_counter()
+                evaluating = time.perf_counter()
                 out.eval_record(done, evaluate(trainer, state, val, loop.eval_batches))
-                tally.timer += time.perf_counter() - began  # not training time
-                tally.clock.evaluated(time.perf_counter() - began)
+                tally.timer += time.perf_counter() - evaluating  # not training time
+                tally.clock.evaluated(time.perf_counter() - evaluating)
             _note_once(out, tally, "share", advice(
                 tally.clock, loop.checkpoint_every, ckpt.write_seconds[-1] if ckpt and
                 ckpt.write_seconds else None))
@@ -231,6 +230,9 @@ def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
             if saved or stopping or halted or last or step == tally.start or \
                     done % loop.log_every == 0:
                 _record(cfg, out, metrics, done, tally)
+            # The step's own time: all of this turn (its records waited for its results) but
+            # its save and evaluation.
+            tally.clock.step(time.perf_counter() - began - (tally.clock.aside() - aside), slowed)
             if halted:
                 raise TrainingStopped(_halt_message(cfg, done, tally.streak, ckpt))
             if stopping:

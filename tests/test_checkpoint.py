@@ -116,8 +116,9 @@ def test_checkpoint_of_another_model_is_refused_with_the_difference(tmp_path):
         train(_cfg(tmp_path, "loop.steps=4"))
 
 
-@pytest.mark.parametrize("trainer, parts", [("stream", None), ("stream_resident", None),
-                                           ("stream_resident", 1), ("reference", None)])
+@pytest.mark.parametrize("trainer, parts", [("stream", None), ("stream", 1),
+                                           ("stream_resident", None), ("stream_resident", 1),
+                                           ("reference", None)])
 def test_a_save_captures_the_state_and_writes_it_while_training_goes_on(
         tmp_path, monkeypatch, trainer, parts):
     """A save copies the state into its staging area and returns: the next steps run, and
@@ -170,6 +171,13 @@ def test_a_save_captures_the_state_and_writes_it_while_training_goes_on(
     restored, _ = ckpt.restore(1, run.abstract_state())
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(x, np.asarray(y))
+    host = [leaf.nbytes for leaf in jax.tree.leaves(tree) if memory_kinds(leaf) != {"device"}]
+    if parts is not None:  # one part's buffers, lent and given back, not a copy of the state
+        layer = sum(x.nbytes for x in jax.tree.leaves((tree["params"]["layers"][0],
+                                                      tree["opt_state"]["layers"][0])))
+        assert 0 < ckpt.staging.held_bytes <= layer <= sum(host)
+    elif trainer == "stream":
+        assert ckpt.staging.held_bytes == sum(host)
 
 
 def test_a_device_read_copies_in_slices_and_leaves_no_host_copy_on_the_array(monkeypatch):

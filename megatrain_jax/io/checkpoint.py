@@ -160,13 +160,19 @@ class Checkpointer:
         (Staging.reserve), so that the first save costs the run what the later ones do."""
         import jax
 
-        self._job = self._staging.reserve(saving.sources(tree, whole=jax.process_count() == 1))
+        self._job = self._staging.reserve(saving.sources(tree, whole=jax.process_count() == 1),
+                                          self.staging_parts)
         self._job_step = None
 
     def saving(self) -> int | None:
         """The step of the save still under way (not yet verified and visible), else None."""
         job = self._job
         return self._job_step if job is not None and not job.done() else None
+
+    @property
+    def staging(self) -> Staging:
+        """The staging area its saves capture into (kept from save to save)."""
+        return self._staging
 
     def capturing(self) -> bool:
         """Whether the last save is still capturing the state."""

@@ -66,6 +66,7 @@ class Group:
     sources: list
     captured: threading.Event = field(default_factory=threading.Event)
     copies: list = field(default_factory=list)  # the host copies under way
+    lent: list = field(default_factory=list)  # host buffers lent for it, part by part
 
 
 class Staging:
@@ -73,7 +74,8 @@ class Staging:
     that copy into them."""
 
     def __init__(self):
-        self._buffers: dict[tuple, np.ndarray] = {}
+        self._buffers: dict[tuple, np.ndarray] = {}  # a whole capture's, by file
+        self._free: dict[int, list] = {}  # part by part: buffers lent and given back, by size
         self._threads = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="checkpoint-copy")
 
     def capture(self, sources: list, parts: int | None = None) -> "Capture":
@@ -81,12 +83,14 @@ class Staging:
         state or deferred device reads): every part at once, or `parts` at a time."""
         return Capture(self, sources, parts)
 
-    def reserve(self, sources: list) -> Future:
+    def reserve(self, sources: list, parts: int | None = None) -> Future:
         """Makes the staging area of `sources` in the background, copying no state: pinned
         memory for the device arrays (XLA's pool keeps it once grown; new memory comes slowly,
         about 1.3 GB/s on the lent H200 machines) and host buffers for the rest, touched. The
         first save then costs what the later ones do."""
         device, host = [], []
+        if parts is not None:  # the first K parts' worth: the layers' are all alike
+            sources = [s for group in _groups(sources)[:parts] for s in group.sources]
         for source in sources:
             for _, file, pieces, _ in source["shards"]:
                 for i, piece in enumerate(pieces):
@@ -95,16 +99,19 @@ class Staging:
                         device.append((array.shape, array.dtype, array.sharding))
                     else:
                         host.append(((file, i), piece.size))
-        return self._threads.submit(self._reserve, device, host)
+        return self._threads.submit(self._reserve, device, host, parts is not None)
 
-    def _reserve(self, device: list, host: list) -> None:
+    def _reserve(self, device: list, host: list, lent: bool) -> None:
         import jax
         import jax.numpy as jnp
 
         from megatrain_jax.stream.placement import HOST_KIND
 
         for key, nbytes in host:
-            self._buffer(key, nbytes).fill(0)
+            buffer = self.lend(nbytes) if lent else self._buffer(key, nbytes)
+            buffer.fill(0)
+            if lent:
+                self.give_back([buffer])
         held = []  # all at once: the pool must hold them together, as a save's capture does
         for shape, dtype, sharding in device:
             zeros = jnp.zeros(shape, dtype, device=sharding)
@@ -122,13 +129,29 @@ class Staging:
             buffer = self._buffers[key] = array_files.mapped_empty((nbytes,), np.uint8)
         return buffer
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of host buffers the staging area holds between saves."""
+        kept = sum(b.size for b in self._buffers.values())
+        return kept + sum(b.size for free in self._free.values() for b in free)
+
+    def lend(self, nbytes: int) -> np.ndarray:
+        """A host buffer of `nbytes` for one part's capture, given back once it is written."""
+        free = self._free.get(nbytes)
+        return free.pop() if free else array_files.mapped_empty((nbytes,), np.uint8)
+
+    def give_back(self, buffers: list) -> None:
+        for buffer in buffers:
+            self._free.setdefault(buffer.size, []).append(buffer)
+
     def _copy(self, source: np.ndarray, target: np.ndarray) -> list[Future]:
         return [self._threads.submit(np.copyto, target[i:i + COPY_BYTES],
                                      source[i:i + COPY_BYTES])
                 for i in range(0, source.size, COPY_BYTES)]
 
-    def _stage(self, key: tuple, piece) -> tuple[object, list[Future]]:
-        """(the piece's staged stand-in, host copies still running into it)."""
+    def _stage(self, key: tuple | None, piece) -> tuple[object, list[Future]]:
+        """(the piece's staged stand-in, host copies still running into it), into the buffer
+        kept for `key` or, with None, one lent."""
         if isinstance(piece, array_files.DeviceRead):
             array = piece.array
             if array_files.in_host_memory(array):  # another layout: NumPy reorders it now
@@ -139,7 +162,7 @@ class Staging:
 
             pinned = array.sharding.with_memory_kind(HOST_KIND)
             return array_files.Staged(jax.device_put(array, pinned)), []
-        target = self._buffer(key, piece.size)
+        target = self.lend(piece.size) if key is None else self._buffer(key, piece.size)
         return target, self._copy(piece, target)
 
 
@@ -148,10 +171,7 @@ class Capture:
 
     def __init__(self, staging: Staging, sources: list, parts: int | None):
         self._staging = staging
-        by_part: dict[str | None, list] = {}
-        for source in sources:
-            by_part.setdefault(part_of(source["key"]), []).append(source)
-        self._groups = [Group(part, by_part[part]) for part in sorted(by_part, key=_order)]
+        self._groups = _groups(sources)
         self._slots = None if parts is None else threading.Semaphore(max(1, parts))
         self._failed = threading.Event()
         if self._slots is None:
@@ -186,9 +206,12 @@ class Capture:
             group.captured.set()
 
     def release(self, group: Group) -> None:
-        """`group` is written: its staged copies go (the pool keeps their pinned memory)."""
+        """`group` is written: its staged copies go (the pool keeps their pinned memory, the
+        staging area the host buffers it lent)."""
         for source in group.sources:
             source["shards"] = []
+        self._staging.give_back(group.lent)
+        group.lent = []
         if self._slots is not None:
             self._slots.release()
 
@@ -204,12 +227,23 @@ class Capture:
             for region, file, pieces, dtype in source["shards"]:
                 staged = []
                 for i, piece in enumerate(pieces):
-                    stand_in, copies = self._staging._stage((file, i), piece)
+                    key = (file, i) if self._slots is None else None  # part by part: lent
+                    stand_in, copies = self._staging._stage(key, piece)
+                    if key is None and isinstance(stand_in, np.ndarray) and copies:
+                        group.lent.append(stand_in)
                     staged.append(stand_in)
                     group.copies += copies
                 staged_shards.append((region, file, staged, dtype))
             source["shards"] = staged_shards
         when_done(group.copies, group.captured.set)
+
+
+def _groups(sources: list) -> list[Group]:
+    """`sources` grouped by part, in the order the engine updates the parts."""
+    by_part: dict[str | None, list] = {}
+    for source in sources:
+        by_part.setdefault(part_of(source["key"]), []).append(source)
+    return [Group(part, by_part[part]) for part in sorted(by_part, key=_order)]
 
 
 def when_done(futures: list, then) -> None:

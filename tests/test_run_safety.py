@@ -602,8 +602,10 @@ def test_the_summary_splits_the_run_time_and_adds_up_to_its_wall_time(lone, tmp_
     assert all(split[k] >= 0 for k in parts) and split["save_stall_s"] > 0
     assert sum(split[k] for k in parts) == pytest.approx(split["wall_s"], abs=0.01)
     assert split["other_s"] < 0.2 * split["wall_s"]  # nothing large left unaccounted
-    step_s = tiny().data.tokens_per_step / summary["step_tokens_per_s"]  # the steps' median
+    step_s = tiny().data.tokens_per_step / summary["step_tokens_per_s"]  # a step's own time
     assert summary["goodput"] == pytest.approx(8 * step_s / split["wall_s"], rel=1e-3)
+    assert summary["goodput"] == pytest.approx(split["steps_s"] / split["wall_s"], rel=1e-3)
+    assert 0 < summary["goodput"] < 1
 
 
 def test_deterministic_runs_set_xlas_flag_before_jax_starts(tmp_path, monkeypatch, capsys):

@@ -8,12 +8,13 @@
     clock.evaluated(seconds)
     clock.summary(tokens_per_step)            # {"time": {...}, "goodput": ...}
 
-The steps' own speed is the median of the steps that ran with no save under way (after the
-first, which compiles). Goodput is the run's tokens/s over that speed: the share of the wall
-time the steps would have taken at it. The rest is split into startup (reading data, building
-and placing the state, restoring), compile (the first step beyond the others), save stalls
-(starting saves, the steps a capture slowed beyond the median, waiting for the last save at
-the end), evaluation, and other (records, export, closing). The parts add up to the wall time.
+The steps' own time leaves out what saves and compiling add: a step a capture slowed counts
+as the median step (of those no save slowed, after the first), the first step too. Goodput
+is the run's tokens/s over the steps' own: the share of the wall time the steps' own time
+is. The rest is split into startup (reading data, building and placing the state,
+restoring), compile (the first step beyond the median), save stalls (starting saves, what a
+capture added to a step, waiting for the last save at the end), evaluation, and other
+(export, closing). The parts add up to the wall time.
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ class RunClock:
         stalls = self.stalls + ([self._open_stall] if self._open_stall is not None else [])
         return {"time": {k: round(v, 3) for k, v in split.items()},
                 "save_stalls_s": [round(x, 3) for x in stalls],
-                "goodput": len(steps) * m / wall if wall and steps else None,
-                "step_tokens_per_s": tokens_per_step / m if m else None}
+                "goodput": steps_s / wall if wall and steps else None,
+                "step_tokens_per_s": len(steps) * tokens_per_step / steps_s if steps_s else None}
 
 
 def advice(clock: RunClock, every: int, write_s: float | None) -> str | None:

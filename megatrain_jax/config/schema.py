@@ -55,6 +55,8 @@ class ModelConfig:
     qk_norm: bool = False
     max_seq_len: int = 4096
     compute_dtype: str = "bfloat16"
+    # The layers' projections as FP8 dots (model/fp8.py); the rest stays bfloat16.
+    fp8_matmuls: bool = False
     attention: str = "auto"
     init_std: float = 0.02
     hf_path: str = ""
@@ -331,6 +333,10 @@ def validate(cfg: Config) -> Config:
          f"their activations (model.layers less stream.keep_layers); `on` keeps every one"),
         *optimizer_checks(cfg),
         (cfg.loop.run_dir.strip() != "", "loop.run_dir must name a folder"),
+        (not m.fp8_matmuls or m.compute_dtype == "bfloat16",
+         f"model.fp8_matmuls=true runs the rest of the layer in bfloat16, not "
+         f"model.compute_dtype={m.compute_dtype}: set model.compute_dtype=bfloat16 or "
+         "model.fp8_matmuls=false"),
         (m.rope_scaling.kind != "llama3" or
          m.rope_scaling.high_freq_factor > m.rope_scaling.low_freq_factor,
          f"model.rope_scaling.high_freq_factor ({m.rope_scaling.high_freq_factor}) must be "

@@ -224,9 +224,12 @@ def _layer(p, x, cfg, positions, segment_ids, mlp_tile, attention_chunk, attend)
         positions = jax.lax.broadcasted_iota(jnp.int32, (b, s), 1)
 
     h = ops.rms_norm(x, w.attn_norm, cfg.norm_eps)
-    q = jnp.einsum("bsd,dn->bsn", h, w.wq)
-    k = jnp.einsum("bsd,dn->bsn", h, w.wk)
-    v = jnp.einsum("bsd,dn->bsn", h, w.wv)
+    # FP8 operands are quantized from the compute-dtype weights, so that a layer given weights
+    # already cast (a saving layer's) quantizes exactly as one given the fp32 masters.
+    float8 = cfg.fp8_matmuls
+    q = ops.project(h, w.wq, float8)
+    k = ops.project(h, w.wk, float8)
+    v = ops.project(h, w.wv, float8)
     if cfg.qkv_bias:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
     q = q.reshape(b, s, cfg.heads, e)
@@ -239,10 +242,11 @@ def _layer(p, x, cfg, positions, segment_ids, mlp_tile, attention_chunk, attend)
     q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
     impl = attention_path(cfg, s, packed=segment_ids is not None)
     attn, kept = attend(q, k, v, impl, auto.attention_chunk(attention_chunk, s))
-    x = x + jnp.einsum("bsn,nd->bsd", attn.reshape(b, s, cfg.heads * e), w.wo)
+    x = x + ops.project(attn.reshape(b, s, cfg.heads * e), w.wo, float8)
 
     tile = auto.mlp_tile(mlp_tile, b * s)
-    x = ops.residual_mlp(x, p.mlp_norm, p.w_gate, p.w_up, p.w_down, cfg.norm_eps, dtype, tile)
+    x = ops.residual_mlp(x, p.mlp_norm, p.w_gate, p.w_up, p.w_down, cfg.norm_eps, dtype, tile,
+                         float8)
     return x, kept
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from megatrain_jax.config import RopeScaling, auto
-from megatrain_jax.model import blockwise
+from megatrain_jax.model import blockwise, fp8
 
 
 def rms_norm(x, weight, eps: float):
@@ -122,14 +122,24 @@ def attention(q, k, v, implementation: str, segment_ids=None, chunk: int = 0):
     )
 
 
-def swiglu(x, w_gate, w_up, w_down):
-    gate = jnp.einsum("...d,df->...f", x, w_gate)
-    up = jnp.einsum("...d,df->...f", x, w_up)
-    return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, w_down)
+def project(x, w, float8: bool = False):
+    """x [..., K] @ w [K, N]: a projection of the layer, as an FP8 dot where `float8`
+    (model.fp8_matmuls; fp8.py), else in the operands' dtype."""
+    if float8:
+        return fp8.scaled_dot(x, w)
+    return jnp.einsum("...k,kn->...n", x, w)
 
 
-def residual_mlp(x, norm, w_gate, w_up, w_down, eps: float, dtype, tile: int = 0):
-    """x + SwiGLU(RMSNorm(x)) of x [B, S, D], the weights cast to `dtype` here.
+def swiglu(x, w_gate, w_up, w_down, float8: bool = False):
+    gate = project(x, w_gate, float8)
+    up = project(x, w_up, float8)
+    return project(jax.nn.silu(gate) * up, w_down, float8)
+
+
+def residual_mlp(x, norm, w_gate, w_up, w_down, eps: float, dtype, tile: int = 0,
+                 float8: bool = False):
+    """x + SwiGLU(RMSNorm(x)) of x [B, S, D], the weights cast to `dtype` here; its three
+    projections FP8 dots where `float8`.
 
     With `tile` > 0 the B*S tokens go through in tiles of `tile` (the last one padded), each
     recomputed in the backward (jax.checkpoint): only one tile's [tile, F] activations ever
@@ -141,7 +151,8 @@ def residual_mlp(x, norm, w_gate, w_up, w_down, eps: float, dtype, tile: int = 0
         def cast(w):
             return w.astype(dtype)
 
-        return h + swiglu(rms_norm(h, cast(norm), eps), cast(w_gate), cast(w_up), cast(w_down))
+        return h + swiglu(rms_norm(h, cast(norm), eps), cast(w_gate), cast(w_up), cast(w_down),
+                          float8)
 
     weights = (norm, w_gate, w_up, w_down)
     if not tile:

@@ -22,7 +22,7 @@ from megatrain_jax.config import Config, ConfigError, layer_grad_dtype
 from megatrain_jax.config.schema import pinned
 from megatrain_jax.io import hf
 from megatrain_jax.io.progress import Progress
-from megatrain_jax.model import replay
+from megatrain_jax.model import fp8, replay
 from megatrain_jax.planning import memory, planner, presets
 from megatrain_jax.planning.probe import host_memory_available
 from megatrain_jax.stream import StreamEngine, StreamState, Templates
@@ -180,6 +180,8 @@ def mesh_for(cfg: Config):
 
 
 def make_trainer(cfg: Config):
+    if cfg.model.fp8_matmuls:
+        fp8.check_devices(jax.local_devices())
     return StreamTrainer(cfg) if cfg.loop.trainer == "stream" else ReferenceTrainer(cfg)
 
 

@@ -288,4 +288,3 @@ class Checkpointer:
             return " No earlier checkpoint is left."
         return (f" Earlier checkpoints are untouched ({older}): move {self.directory / str(step)}"
                 f" away to resume from step {older[-1]}.")
-

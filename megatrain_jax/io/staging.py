@@ -173,7 +173,6 @@ class Capture:
         self._staging = staging
         self._groups = _groups(sources)
         self._slots = None if parts is None else threading.Semaphore(max(1, parts))
-        self._failed = threading.Event()
         if self._slots is None:
             for group in self._groups:
                 self._begin(group)
@@ -182,8 +181,8 @@ class Capture:
         return self._groups
 
     def wait(self, part: str | None = None) -> None:
-        """Returns once `part`'s arrays are captured (every part's, for None or a part the
-        save does not hold): the state's buffers of that part may be written again."""
+        """Returns once `part`'s arrays are captured, and those outside the model's parts
+        (every part's, for None): the state's buffers of that part may be written again."""
         for group in self._groups:
             if part is None or group.part == part or group.part is None:
                 group.captured.wait()

@@ -87,6 +87,12 @@ def refusal_note(cfg: Config, short: int) -> str:
             "loop.checkpoint_every=0, need none)")
 
 
+def _resident_bytes(plan: PlacementPlan, parts: list[int]) -> int:
+    """Checkpoint bytes of the parts `plan` keeps on the GPU (`parts`: part_bytes)."""
+    layer = parts[1] if len(parts) > 2 else 0
+    return plan.resident_embeddings * (parts[0] + parts[-1]) + plan.resident_layers * layer
+
+
 def save_cost(cfg: Config, machine, plan: PlacementPlan | None = None) -> dict:
     """What one save of a resolved cfg costs on `machine` (a presets.Machine), in seconds:
     `stall`, the run's wait while the state is captured (the GPU-resident parts over the
@@ -94,9 +100,8 @@ def save_cost(cfg: Config, machine, plan: PlacementPlan | None = None) -> dict:
     parts, the rest wait for the disk to free their room), and `write`, the background's
     write and read-back of every part."""
     plan = plan_of(cfg) if plan is None else plan
-    parts, m = part_bytes(cfg), cfg.model
-    resident = plan.resident_embeddings * (parts[0] + parts[-1]) \
-        + plan.resident_layers * (parts[1] if m.layers else 0)
+    parts = part_bytes(cfg)
+    resident = _resident_bytes(plan, parts)
     total = sum(parts)
     disk_s = 1 / (machine.disk_write_gbps * 1e9) + 1 / (machine.disk_read_gbps * 1e9)
     capture = resident / (machine.d2h_gbps * 1e9) \
@@ -146,9 +151,8 @@ def staging_pinned_bytes(cfg: Config, devices: int) -> int:
     most where the save stages K parts at a time."""
     if not saves(cfg):
         return 0
-    plan, parts = plan_of(cfg), part_bytes(cfg)
-    resident = plan.resident_embeddings * (parts[0] + parts[-1]) \
-        + plan.resident_layers * (parts[1] if cfg.model.layers else 0)
+    parts = part_bytes(cfg)
+    resident = _resident_bytes(plan_of(cfg), parts)
     setting = cfg.stream.save_staging
     if setting not in ("whole", "auto"):
         resident = min(resident, sum(sorted(parts, reverse=True)[:pinned(setting)]))

@@ -123,7 +123,7 @@ def advice(clock: RunClock, every: int, write_s: float | None) -> str | None:
     stall, m = clock.last_stall(), clock.median()
     capture = max(0.0, stall - clock.waits[-1])
     wanted = max(int(capture * (1 - SAVE_SHARE) / (SAVE_SHARE * m)),
-                 int((write_s or 0.0) / m)) + 1
+                 int(write_s / m)) + 1
     written = f", {write_s:.1f} s to write in the background"
     if clock.waits[-1] > 0.1:
         written += f", {clock.waits[-1]:.1f} s of the stall waiting for the last one's write"

@@ -275,14 +275,14 @@ def _save(cfg: Config, trainer, state, ckpt: Checkpointer | None, done: int, tal
         (last and (every or cfg.loop.final_checkpoint))
     if not (due or stopping) or (ckpt.no_room and not every):
         return False  # the final or stop save has no room: said at the start and the end
-    began = time.perf_counter()
+    began, previous = time.perf_counter(), ckpt.saving()
     waited = ckpt.save(done, trainer.state_tree(state),
                        {**run_record(cfg, done, tally.skipped),
                         "state": trainer.state_record(state)})
     tally.clock.saved(time.perf_counter() - began, waited)
-    if waited > 0.1 and every:
+    if waited > 0.1 and every and previous is not None:
         _note_once(out, tally, "waited", (
-            f"checkpoint {done - every} was still being written when checkpoint {done} was "
+            f"checkpoint {previous} was still being written when checkpoint {done} was "
             f"due: the run waited {waited:.1f} s for it (a save's write takes longer than "
             f"{every} steps here; raise loop.checkpoint_every to leave it room)."))
     return True

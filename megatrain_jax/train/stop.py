@@ -139,8 +139,7 @@ def interrupted(cfg, at: int, signum: int, history: list[dict], ckpt) -> RunInte
             head += f" ({again} will be trained again)"
         tail = f"checkpoint {at} is complete in {folder}; run the same command to resume"
     else:
-        why = "loop.stop_save=false" if cfg.loop.stop_save is False else \
-            "no room on the disk for it"
+        why = "no room on the disk for it" if cfg.loop.stop_save else "loop.stop_save=false"
         tail = (f"no checkpoint of it ({why}); " + (
             f"run the same command to resume from checkpoint {latest} in {folder}"
             if latest is not None else "the same command starts the run over"))

@@ -4,11 +4,12 @@ finds none it can compile.
 On the GPU, XLA fuses a dot with its neighbours (a transpose, a slice of the saved
 activations, an elementwise prologue) into a Triton GEMM fusion (`__triton_gemm`), compiles
 that fusion with each candidate tiling and keeps the fastest. When not one candidate
-compiles, the whole program fails: "INTERNAL: No candidates could be compiled". It was seen
-on an H200 (jax 0.11.2) with every fp32 dot at HIGHEST precision
-(`JAX_DEFAULT_MATMUL_PRECISION=highest`) in a small model's layer backward from saved
-activations (`layer_backward_saved`, the program of `stream.keep_layers`); the backward
-that recomputes the layer compiled.
+compiles, the whole program fails: "INTERNAL: No candidates could be compiled". It was
+reported once on an H200 (jax 0.11.2), with every fp32 dot at HIGHEST precision
+(`JAX_DEFAULT_MATMUL_PRECISION=highest`), in a small fine-tune's layer backward from saved
+activations (`layer_backward_saved`, the program of `stream.keep_layers`); a rebuilt model
+of the same shapes and settings compiled there without it
+(`benchmarks/gemm_fallback_gpu.py`), so the cause is not known.
 
     update = jit_with_fallback(fn, {"xla_allow_excess_precision": False}, donate_argnums=0)
 

@@ -269,7 +269,11 @@ def load_run_config(run_dir: str | Path) -> Config:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     """Writes `cfg` as JSON, whole or not at all (a killed process leaves the old file)."""
-    path = Path(path)
+    write_whole(Path(path), json.dumps(to_dict(cfg), indent=2) + "\n")
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Writes `text` to `path` whole or not at all: a killed process leaves the old file."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    partial.write_text(text)
     partial.replace(path)

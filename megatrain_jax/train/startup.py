@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from megatrain_jax.config import Config, ConfigError
+from megatrain_jax.config.load import write_whole
 from megatrain_jax.config.schema import pinned
 from megatrain_jax.io.checkpoint import (
     MANIFEST,
@@ -155,10 +156,7 @@ def kept(cfg: Config, ckpt: Checkpointer | None = None) -> str:
 
 def write_summary(run_dir: Path, summary: dict) -> None:
     """RUN_DIR/summary.json: the finished attempt's summary (`report` reads it)."""
-    path = run_dir / "summary.json"
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(summary, indent=1) + "\n")
-    partial.replace(path)
+    write_whole(run_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
 
 
 def read_records(path: Path) -> list[dict]:
@@ -183,10 +181,8 @@ def rewind(run_dir: Path, step: int) -> None:
         if not step or not path.exists():
             path.unlink(missing_ok=True)
             continue
-        kept = [json.dumps(r) + "\n" for r in read_records(path) if r["step"] <= step]
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text("".join(kept))
-        partial.replace(path)
+        write_whole(path, "".join(json.dumps(r) + "\n" for r in read_records(path)
+                                  if r["step"] <= step))
 
 
 def tensorboard(cfg: Config, run_dir: Path, start: int):

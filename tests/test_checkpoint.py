@@ -1,7 +1,9 @@
 """Checkpoints: exact resume, placement on restore, keep-N, atomicity, clear errors."""
 
 import json
+import os
 import shutil
+import threading
 
 import jax
 import numpy as np
@@ -195,3 +197,18 @@ def test_a_device_read_copies_in_slices_and_leaves_no_host_copy_on_the_array(mon
         x = jnp.asarray(want)
         assert array_files.DeviceRead(x)().tobytes() == want.tobytes()
         assert getattr(x, "_npy_value", None) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priorities: Linux")
+def test_a_saves_background_threads_give_way_to_training(tmp_path):
+    def priority():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    ckpt = Checkpointer(tmp_path)
+    try:
+        wanted = min(19, priority() + 10)
+        assert ckpt._runner.submit(priority).result() == wanted
+        assert ckpt._pool.submit(priority).result() == wanted
+        assert priority() < wanted  # the caller's own thread is left as it was
+    finally:
+        ckpt.close()

@@ -93,3 +93,24 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_naming_it():
         fp8.check_devices([_device("8.0")])
     fp8.check_devices([_device("9.0", "NVIDIA H200"), _device("8.9", "NVIDIA L4"),
                        _device(None, "cpu", "cpu")])
+
+
+def test_a_saving_layer_keeps_as_many_bytes_with_fp8_as_with_bf16():
+    """A layer that keeps its matmuls' outputs for its backward (stream.keep_layers) keeps
+    an FP8 projection's output in bf16, as a bf16 dot's, not the FP8 dot's fp32 result: the
+    planner's count of its bytes holds for both."""
+    from megatrain_jax.stream.programs import SAVED_BY_SAVING_LAYERS
+
+    def kept_bytes(model_cfg):
+        p = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
+                         model.init_layer(model_cfg, jax.random.key(0)))
+        x = jnp.ones((2, 16, model_cfg.hidden), jnp.bfloat16)
+        layer = jax.checkpoint(lambda p, x: model.layer(p, x, model_cfg),
+                               policy=SAVED_BY_SAVING_LAYERS)
+        _, backward = jax.vjp(layer, p, x)  # its leaves: what the backward keeps
+        return sorted((a.dtype.name, a.shape) for a in jax.tree.leaves(backward)), \
+            sum(a.nbytes for a in jax.tree.leaves(backward))
+
+    bf16, fp8_ = (tiny("model.compute_dtype=bfloat16", *SMALL).model,
+                  tiny(*FP8, *SMALL).model)
+    assert kept_bytes(fp8_) == kept_bytes(bf16)

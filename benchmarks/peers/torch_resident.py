@@ -1,6 +1,6 @@
 """Peer: PyTorch with the whole model resident on the GPU, on a standard shape.
 
-    python benchmarks/peers/torch_resident.py 7b --steps 4 --warmup 2 [--out FILE]
+    python benchmarks/peers/torch_resident.py 7b --steps 4 --warmup 2 [--compile] [--out FILE]
     python benchmarks/peers/torch_resident.py tiny --device cpu --batch 2 --seq 32  # a check
 
 What a team with a large GPU would run without offload: `transformers`' LlamaForCausalLM
@@ -25,6 +25,8 @@ from transformers import LlamaForCausalLM
 def main() -> None:
     parser = torch_common.parser(__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a check of the logic")
+    parser.add_argument("--compile", action="store_true",
+                        help="each decoder layer compiled with torch.compile (the faster peer)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -34,6 +36,10 @@ def main() -> None:
     with device:  # built where it stays: no fp32 copy of the model in host memory
         model = LlamaForCausalLM(config)
     checkpointed = torch_common.checkpoint_layers(model)
+    if args.compile:  # the layers are alike: one compiled program serves all of them
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        for layer in model.model.layers:
+            layer.compile()
     model.train()
     try:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01,
@@ -56,7 +62,8 @@ def main() -> None:
     times, losses = torch_common.timed_steps(step, args, config.vocab_size, device)
     torch_common.emit(torch_common.result(
         "pytorch-resident", args, model, times, losses, device, init_s=init_s,
-        fused_adamw=fused, autocast="bfloat16", gradient_checkpointing=checkpointed), args.out)
+        fused_adamw=fused, autocast="bfloat16", gradient_checkpointing=checkpointed,
+        compiled_layers=args.compile), args.out)
 
 
 if __name__ == "__main__":

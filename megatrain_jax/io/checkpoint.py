@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -59,6 +60,7 @@ from megatrain_jax.stream.placement import assemble
 __all__ = ["Checkpointer", "CheckpointError", "complete_steps", "foreign_steps", "free_bytes",
            "room_needed", "size", "tree_bytes"]
 THREADS = min(4, os.cpu_count() or 1)  # arrays written, verified or restored at once
+BACKGROUND_NICE = 10  # the writer's threads' priority: below the training thread's
 
 
 def foreign_steps(directory: str | Path) -> list[int]:
@@ -99,6 +101,16 @@ def tree_bytes(tree) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
+def give_way() -> None:
+    """Lowers the calling thread's CPU priority (nice 10; Linux schedules threads on their
+    own): a save's background write, checksums and read-back give way to the training
+    thread, whose step waits on its own dispatch. Where it cannot (another system), as is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 3, staging_parts: int | None = None):
         self.directory = Path(directory).absolute()
@@ -106,8 +118,10 @@ class Checkpointer:
         self.staging_parts = staging_parts  # parts staged at a time; None: the whole state
         self.no_room: str | None = None  # why the disk cannot take a checkpoint, if it cannot
         self.write_seconds: list[float] = []  # each save's background work, capture to publish
-        self._runner = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="checkpoint-io")
+        self._runner = ThreadPoolExecutor(1, thread_name_prefix="checkpoint",
+                                          initializer=give_way)
+        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="checkpoint-io",
+                                        initializer=give_way)
         self._job: Future | None = None
         self._job_step: int | None = None
         self._peers: Peers | None = None  # the run's other processes, met at the first save

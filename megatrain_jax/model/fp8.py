@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from megatrain_jax.config.errors import ConfigError
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
+FORMATS = (jnp.dtype(E4M3), jnp.dtype(E5M2))
+# The name of a projection's output (`project`): what a layer that saves its matmuls' outputs
+# keeps of an FP8 dot, whose own output is fp32 (stream/programs.py).
+OUTPUT_NAME = "fp8_projection"
 # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later.
 MIN_COMPUTE_CAPABILITY = (8, 9)
 
@@ -40,6 +45,17 @@ def _dot(a, b, contract_a: int, contract_b: int):
     """a and b's dot over one axis each, accumulated in fp32."""
     dims = (((contract_a,), (contract_b,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def project(x, w):
+    """scaled_dot(x, w), its output named OUTPUT_NAME for jax.checkpoint's policies."""
+    return checkpoint_name(scaled_dot(x, w), OUTPUT_NAME)
+
+
+def is_fp8_dot(prim, *avals) -> bool:
+    """Whether a primitive of a traced program is a dot of FP8 operands."""
+    return prim is jax.lax.dot_general_p and any(
+        getattr(a, "dtype", None) in FORMATS for a in avals)
 
 
 @jax.custom_vjp

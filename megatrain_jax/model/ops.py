@@ -126,7 +126,7 @@ def project(x, w, float8: bool = False):
     """x [..., K] @ w [K, N]: a projection of the layer, as an FP8 dot where `float8`
     (model.fp8_matmuls; fp8.py), else in the operands' dtype."""
     if float8:
-        return fp8.scaled_dot(x, w)
+        return fp8.project(x, w)
     return jnp.einsum("...k,kn->...n", x, w)
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from megatrain_jax import optim
+from megatrain_jax.model import fp8
 from megatrain_jax.stream.gemm_fallback import jit_with_fallback
 from megatrain_jax.stream.placement import Placement
 
@@ -80,10 +81,20 @@ class Programs:
     layer_index: bool = False  # the layer programs take the layer's index (Templates)
 
 
+def _dots_in_compute_dtype(prim, *avals, **params) -> bool:
+    """The outputs of the layer's matmuls with the weights, but an FP8 dot's (fp32, twice a
+    bf16 one's bytes): its projection's output in bf16 is kept instead, by name."""
+    if fp8.is_fp8_dot(prim, *avals):
+        return False
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
+
+
 # What a saving layer's forward keeps for its backward (`layer_saving`): the outputs of its
-# matmuls with the weights; the rest (norms, rotations, activations, the attention itself) is
-# computed again from them in the backward, for a fraction of the layer's FLOPs.
-SAVED_BY_SAVING_LAYERS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+# matmuls with the weights, in the compute dtype; the rest (norms, rotations, activations, the
+# attention itself, FP8 operands' quantization) is computed again from them in the backward,
+# for a fraction of the layer's FLOPs.
+SAVED_BY_SAVING_LAYERS = jax.checkpoint_policies.save_from_both_policies(
+    _dots_in_compute_dtype, jax.checkpoint_policies.save_only_these_names(fp8.OUTPUT_NAME))
 
 # Every value keeps the dtype the program gives it: XLA may not skip the rounding of a bf16
 # value on its way back to fp32 (its default allows that "excess precision"). The weight

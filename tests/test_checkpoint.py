@@ -150,6 +150,9 @@ def test_a_save_captures_the_state_and_writes_it_while_training_goes_on(
 
     monkeypatch.setattr(array_files, "write_array", held_write)
     ckpt = Checkpointer(tmp_path / "checkpoints", staging_parts=parts)
+    ckpt.prepare(tree)  # the staging area, made before the first save, as a run does
+    ckpt.wait()
+    reserved = ckpt.staging.held_bytes
     ckpt.save(1, tree, {"step": 1})
 
     def steps():
@@ -174,6 +177,7 @@ def test_a_save_captures_the_state_and_writes_it_while_training_goes_on(
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(x, np.asarray(y))
     host = [leaf.nbytes for leaf in jax.tree.leaves(tree) if memory_kinds(leaf) != {"device"}]
+    assert ckpt.staging.held_bytes == reserved  # the save used what was made for it
     if parts is not None:  # one part's buffers, lent and given back, not a copy of the state
         layer = sum(x.nbytes for x in jax.tree.leaves((tree["params"]["layers"][0],
                                                       tree["opt_state"]["layers"][0])))

@@ -88,35 +88,26 @@ class Staging:
         memory for the device arrays (XLA's pool keeps it once grown; new memory comes slowly,
         about 1.3 GB/s on the lent H200 machines) and host buffers for the rest, touched. The
         first save then costs what the later ones do."""
-        device, host = [], []
-        if parts is not None:  # the first K parts' worth: the layers' are all alike
-            sources = [s for group in _groups(sources)[:parts] for s in group.sources]
-        for source in sources:
-            for _, file, pieces, _ in source["shards"]:
-                for i, piece in enumerate(pieces):
-                    if isinstance(piece, array_files.DeviceRead):
-                        array = piece.array
-                        device.append((array.shape, array.dtype, array.sharding))
-                    else:
-                        host.append(((file, i), piece.size))
+        groups = _groups(sources)
+        device = [(a.shape, a.dtype, a.sharding) for a in _pieces(groups, parts, device=True)]
+        host = [(key, piece.size) for key, piece in _pieces(groups, parts, device=False)]
         return self._threads.submit(self._reserve, device, host, parts is not None)
 
     def _reserve(self, device: list, host: list, lent: bool) -> None:
         import jax
-        import jax.numpy as jnp
 
         from megatrain_jax.stream.placement import HOST_KIND
 
+        buffers = []
         for key, nbytes in host:
-            buffer = self.lend(nbytes) if lent else self._buffer(key, nbytes)
-            buffer.fill(0)
-            if lent:
-                self.give_back([buffer])
+            buffers.append(self.lend(nbytes) if lent else self._buffer(key, nbytes))
+            buffers[-1].fill(0)
+        if lent:  # given back together: the parts' captures hold them at once
+            self.give_back(buffers)
         held = []  # all at once: the pool must hold them together, as a save's capture does
-        for shape, dtype, sharding in device:
-            zeros = jnp.zeros(shape, dtype, device=sharding)
-            held.append(jax.device_put(zeros, sharding.with_memory_kind(HOST_KIND)))
-            del zeros
+        for shape, dtype, sharding in device:  # host to pinned host: no GPU memory taken
+            pinned = sharding.with_memory_kind(HOST_KIND)
+            held.append(jax.device_put(np.zeros(shape, dtype), pinned))
         jax.block_until_ready(held)
 
     def close(self) -> None:
@@ -243,6 +234,27 @@ def _groups(sources: list) -> list[Group]:
     for source in sources:
         by_part.setdefault(part_of(source["key"]), []).append(source)
     return [Group(part, by_part[part]) for part in sorted(by_part, key=_order)]
+
+
+def _pieces(groups: list[Group], parts: int | None, device: bool) -> list:
+    """The device arrays (`device`) or the host pieces, keyed by (file, index), of every group's
+    capture, or of the `parts` groups with the most of them: the most a save stages at once."""
+    def of(group):
+        found = []
+        for source in group.sources:
+            for _, file, pieces, _ in source["shards"]:
+                for i, piece in enumerate(pieces):
+                    if isinstance(piece, array_files.DeviceRead) == device:
+                        found.append(piece.array if device else ((file, i), piece))
+        return found
+
+    def size(found):
+        return sum(x.nbytes if device else x[1].size for x in found)
+
+    each = [of(group) for group in groups]
+    if parts is not None:
+        each = sorted(each, key=size, reverse=True)[:parts]
+    return [x for found in each for x in found]
 
 
 def when_done(futures: list, then) -> None:

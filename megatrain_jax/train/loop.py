@@ -205,6 +205,10 @@ def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
     if ckpt is not None and ckpt.no_room and not loop.checkpoint_every:
         _note_once(out, tally, "room", f"this run will keep no checkpoint: {ckpt.no_room}")
     saved = False
+    if loop.checkpoint_every and ckpt is not None:
+        # The staging area, made while the first step compiles: new pinned memory comes
+        # slowly, and holds the GPU's other calls back while it does.
+        ckpt.prepare(trainer.state_tree(state))
     try:
         for step in range(tally.start, loop.steps):
             began, aside = time.perf_counter(), tally.clock.aside()
@@ -225,8 +229,6 @@ def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
             _note_once(out, tally, "share", advice(
                 tally.clock, loop.checkpoint_every, ckpt.write_seconds[-1] if ckpt and
                 ckpt.write_seconds else None))
-            if step == tally.start and loop.checkpoint_every and not saved and ckpt is not None:
-                ckpt.prepare(trainer.state_tree(state))  # the staging area, before its use
             if saved or stopping or halted or last or step == tally.start or \
                     done % loop.log_every == 0:
                 _record(cfg, out, metrics, done, tally)

@@ -19,6 +19,7 @@ The last `keep_layers` layers' forward keeps its matmuls' outputs on the GPU: th
 fetches no weights and recomputes only the rest of the layer (programs.layer_saving). The
 `keep_weights` streamed layers before them keep the weights their forward fetched (over a
 mesh each device its shard), and their backward takes those instead of fetching them again.
+`recompute_inputs` layers save no input: the backward runs their forward again (schedule.py).
 
     engine = StreamEngine(templates, optimizer, clip_norm=1.0)
     state = engine.init_state(init_embed, init_layer, init_head, num_layers)
@@ -107,7 +108,8 @@ class StreamEngine:
                  learning_rate: Callable | None = None, device: jax.Device | None = None,
                  resident_layers: int = 0, speculate: str = "auto", speculate_share: float = 1.0,
                  mesh: Mesh | None = None, keep_attention: int = 0, keep_layers: int = 0,
-                 keep_weights: int = 0, resident_embeddings: bool = False):
+                 keep_weights: int = 0, resident_embeddings: bool = False,
+                 recompute_inputs: int = 0):
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, got {speculate!r}")
         if not 0 < speculate_share <= 1:
@@ -140,7 +142,7 @@ class StreamEngine:
         self.learning_rate = learning_rate
         self.programs = build_programs(templates, self.optimizer, clip_norm, self.placement)
         self.schedule = Schedule(self.programs, self.placement, prefetch_depth, keep_attention,
-                                 keep_layers, keep_weights)
+                                 keep_layers, keep_weights, recompute_inputs)
 
     # ----- state ---------------------------------------------------------------------------
 

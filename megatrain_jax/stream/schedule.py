@@ -10,7 +10,10 @@ their backward fetches nothing and recomputes only the cheap part of the layer. 
 of computing it again (their attention's output: programs.Templates), and the `keep_weights`
 layers before them keep the weights their forward fetched, which their backward takes
 instead of fetching them again (over a mesh, each device its shard): `KeptOnDevice` holds
-the three ranges of layers.
+the three ranges of layers. The `recompute_inputs` layers spread over those before the ranges
+(`recomputed_inputs`) save no input: the backward, reaching the last layer of a run of them,
+runs the forward again from the last input saved before it, and the inputs it makes wait on
+the device for their own backward. One more forward a layer buys a saved input's bytes.
 
 Parts are indexed in streaming order (0 embed, 1..L layers, L+1 head) and named as
 `placement.part_names` names them. The loops only dispatch: programs compute, the placement
@@ -43,19 +46,42 @@ class KeptOnDevice:
     statistics (Templates.layer_keeping); their backward does not attend again.
     `weights`: the `keep_weights` layers before the residuals' keep the weights their forward
     fetched (over a mesh, each device its shard); their backward fetches no weights.
+    `recomputed`: layers before `attention` whose forward saves no input (recomputed_inputs).
     """
 
     residuals: range
     attention: range
     weights: range
+    recomputed: frozenset = frozenset()
 
     @classmethod
     def of(cls, layers: int, keep_layers: int, keep_attention: int,
-           keep_weights: int) -> "KeptOnDevice":
+           keep_weights: int, recompute_inputs: int = 0) -> "KeptOnDevice":
         residuals = range(layers - min(keep_layers, layers), layers)
         first = residuals.start
-        return cls(residuals, range(max(0, first - keep_attention), first),
-                   range(max(0, first - keep_weights), first))
+        attention = range(max(0, first - keep_attention), first)
+        return cls(residuals, attention, range(max(0, first - keep_weights), first),
+                   recomputed_inputs(attention.start, recompute_inputs))
+
+
+def recomputed_inputs(plain: int, count: int) -> frozenset:
+    """The `count` layers among the first `plain` whose input the forward does not save, the
+    backward recomputing it. The P - count that save theirs start runs as even as can be (run
+    m at layer m·P // (P - count)), so that a backward holds the fewest recomputed inputs at
+    once (the longest run's, less one); layer 0 always saves. planning/recompute.py counts
+    the same layers in closed form."""
+    if count <= 0:
+        return frozenset()
+    if count >= plain:
+        raise ValueError(f"recompute_inputs ({count}) must leave a saved input among the "
+                         f"{plain} layers before those that keep anything on the device: "
+                         f"at most {max(plain - 1, 0)}")
+    saving = plain - count
+    return frozenset(range(plain)) - {m * plain // saving for m in range(saving)}
+
+
+# A layer's place in the forward's saved inputs when it saves none (recomputed_inputs).
+RECOMPUTE = "recompute"
 
 
 class _Pass:
@@ -86,6 +112,11 @@ class _Pass:
             self.tracer.waited("update", start)
         return self.tracer.issued("h2d", self.names[k], self.place.to_device(self.weights[k]))
 
+    def fetch_again(self, i: int):
+        """Layer i's weights for a recompute of its forward: those the forward kept, else
+        fetched again."""
+        return self.fetched[i] if self.fetched[i] is not None else self.fetch(i + 1)
+
     def fetch_back(self, i: int):
         """Layer i's weights and saved input on the device for its backward (None, None for
         a layer that kept its residuals: it needs neither)."""
@@ -111,12 +142,16 @@ class Schedule:
     """
 
     def __init__(self, programs: Programs, placement: Placement, prefetch_depth: int = 2,
-                 keep_attention: int = 0, keep_layers: int = 0, keep_weights: int = 0):
+                 keep_attention: int = 0, keep_layers: int = 0, keep_weights: int = 0,
+                 recompute_inputs: int = 0):
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        if recompute_inputs < 0:
+            raise ValueError(f"recompute_inputs must be >= 0, got {recompute_inputs}")
         self.programs, self.placement = programs, placement
         self.depth, self.keep_attention = prefetch_depth, keep_attention
         self.keep_layers, self.keep_weights = keep_layers, keep_weights
+        self.recompute_inputs = recompute_inputs
 
     def forward_backward(self, params: dict, batch: dict, denom, pending, tracer: Tracer,
                          on_gradient: Callable | None = None):
@@ -131,7 +166,7 @@ class Schedule:
         copies queued after them."""
         layers = len(params["layers"])
         on_device = KeptOnDevice.of(layers, self.keep_layers, self.keep_attention,
-                                    self.keep_weights)
+                                    self.keep_weights, self.recompute_inputs)
         step = _Pass(params, pending, tracer, self.placement, on_device)
         embed = step.fetch(0)
         loss, dxs, dhead, dembed_head, sq = self._forward(step, embed, batch, denom)
@@ -171,7 +206,9 @@ class Schedule:
             step.saved.append(None)
             xs, step.kept[i] = run.layer_saving(w, xs, batch, *self.index(i))
             return xs
-        if place.input_on_host(i):
+        if i in step.on_device.recomputed:
+            step.saved.append(RECOMPUTE)
+        elif place.input_on_host(i):
             to_host = step.tracer.issued("d2h", f"input {i}", place.to_host(xs))
             step.saved.append(offloads.add(to_host))
         else:
@@ -187,7 +224,8 @@ class Schedule:
         fills grads[1..L] and returns dL/dx of the embedding's output and the sum of squares."""
         order = range(step.layers - 1, -1, -1)
         offloads = _InFlight(self.depth, step.tracer)
-        for i, (w, x_in) in zip(order, _prefetched(order, step.fetch_back, self.depth)):
+        back = _prefetched(order, lambda i: self._fetch_back(step, batch, i), self.depth)
+        for i, (w, x_in) in zip(order, back):
             step.tracer.visit("backward", i)
             step.saved[i] = None  # the device copy in x_in is the last one
             if i in step.on_device.residuals:
@@ -201,6 +239,31 @@ class Schedule:
                                               f"layer {i} grad", offloads)
             del w, x_in, dw
         return dxs, sq
+
+    def _fetch_back(self, step: _Pass, batch: dict, i: int):
+        """step.fetch_back(i), once layer i's input is on the device where its forward saved
+        none: the first such layer the backward meets, the last of its run, recomputes the
+        run's."""
+        if step.saved[i] is RECOMPUTE:
+            self._recompute(step, batch, i)
+        return step.fetch_back(i)
+
+    def _recompute(self, step: _Pass, batch: dict, i: int):
+        """The inputs of layer i and of the layers before it back to the last that saved
+        its input, by their forward run again from that input, left on the device for their
+        own backward. The weights travel again but where the layer kept its forward's."""
+        start = max(k for k in range(i) if step.saved[k] is not RECOMPUTE)
+        xs = step.saved[start]
+        if self.placement.in_host_memory(xs):  # its own backward takes this copy
+            xs = step.tracer.issued("h2d", f"input {start}", self.placement.to_device(xs))
+        step.saved[start] = xs
+        computing = _InFlight(self.depth, step.tracer, "compute")  # bounds weights in flight
+        weights = _prefetched(range(start, i), step.fetch_again, self.depth)
+        for k, w in zip(range(start, i), weights):
+            xs = self.programs.layer_forward(w, xs, batch, *self.index(k))
+            step.saved[k + 1] = computing.add(step.tracer.issued("compute", f"recompute {k}",
+                                                                 xs))
+            del w
 
     def _gradient_out(self, step: _Pass, k: int, grad, sq, on_gradient: Callable | None,
                       label: str, offloads: "_InFlight | None" = None):

@@ -333,7 +333,10 @@ def test_plan_accepts_7b_at_262144_on_the_h200_box(capsys):
 
 
 def test_plan_refuses_7b_at_524288_with_the_numbers(capsys):
-    args = ["7b", "data.batch_size=1", "data.seq_len=524288", "model.max_seq_len=524288"]
+    """Every layer's input saved (stream.recompute_inputs=off; the default fits:
+    tests/test_recompute_inputs.py)."""
+    args = ["7b", "data.batch_size=1", "data.seq_len=524288", "model.max_seq_len=524288",
+            "stream.recompute_inputs=off"]
     box = ["--host-gb", "125", "--gpu-gb", "140"]
     code = main(["plan", *args, *box])
     out, err = capsys.readouterr()
@@ -343,8 +346,10 @@ def test_plan_refuses_7b_at_524288_with_the_numbers(capsys):
     # save's staging area of one layer overfill it; smaller moments make room for them.
     assert "host memory: 125.00 GiB, 137.79 GiB needed -> does NOT fit" in out
     assert "needs 137.8 GiB of host memory" in err and "the GPU holds 31 of its 32" in err
-    assert "Changes that fit: optim.state_dtype=bfloat16; data.seq_len=486400" in err
-    plan.check_fits(_long(486400), host=125 * GiB, gpu=133 * GiB)
+    assert ("Changes that fit: optim.state_dtype=bfloat16; stream.recompute_inputs=auto; "
+            "data.seq_len=486400") in err
+    plan.check_fits(_long(486400, "stream.recompute_inputs=off"), host=125 * GiB,
+                    gpu=133 * GiB)
     assert main(["plan", *args, "optim.state_dtype=int8", *box]) == 0
     # All on the GPU, it overflows the GPU instead.
     capsys.readouterr()

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from megatrain_jax.config.auto import grad_dtype
 from megatrain_jax.config.errors import ConfigError
 from megatrain_jax.config.optimizers import NS_COEFFS, NS_DTYPES, MuonConfig, optimizer_checks
+from megatrain_jax.config.placement_checks import layers_fetched_twice as layers_fetched_twice
+from megatrain_jax.config.placement_checks import pinned as pinned
+from megatrain_jax.config.placement_checks import placement_checks
 from megatrain_jax.config.ranges import check_ranges
 
 
@@ -182,6 +185,9 @@ class StreamConfig:
     # first K layers' on pinned host), or auto (on the GPU as far as the placement leaves
     # room, the first layers' on pinned host beyond).
     saved_inputs: str = "auto"
+    # K layers, spread over those before the layers that keep anything, save no input: the
+    # backward runs the forward again from the last input saved before them. off, a number.
+    recompute_inputs: str = "auto"
     # Host memory a checkpoint's capture copies the state into before training goes on (the
     # disk write follows in the background): whole (a copy of all of it), a number of parts
     # (embedding, layers, head) at a time, each part's update waiting for its own capture
@@ -259,6 +265,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "stream.grad_dtype": ("auto", "float32", "bfloat16"),
     "stream.keep_attention": ("auto", "on", "off"),
     "stream.keep_weights": ("auto", "on", "off"),
+    "stream.recompute_inputs": ("auto", "off"),
     "stream.resident_layers": ("auto",),
     "stream.keep_layers": ("auto",),
     "stream.resident_embeddings": ("auto", "on", "off"),
@@ -270,12 +277,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # Choices that also take a number of layers instead (given as a whole number, kept as its
 # digits).
 COUNTS = ("stream.keep_weights", "stream.keep_attention", "stream.resident_layers",
-          "stream.keep_layers", "stream.saved_inputs", "stream.save_staging")
-
-
-def pinned(value: str) -> int | None:
-    """A placement key's count of layers where one is set (`3`), None where it is a word."""
-    return int(value) if value.isdigit() else None
+          "stream.keep_layers", "stream.saved_inputs", "stream.save_staging",
+          "stream.recompute_inputs")
 
 
 def layer_grad_dtype(cfg: "Config", devices: int = 1) -> str:
@@ -290,21 +293,11 @@ STATE_DTYPES = CHOICES["optim.state_dtype"]
 MOMENT_BLOCK = 256
 
 
-def layers_fetched_twice(cfg: Config) -> int:
-    """The layers whose weights the forward fetches and the backward fetches again, unless
-    they keep them (stream.keep_weights): all but the resident and the saving layers, as
-    far as they are set (a key left to the planner counts none)."""
-    s = cfg.stream
-    resident, saving = pinned(s.resident_layers) or 0, pinned(s.keep_layers) or 0
-    return max(0, cfg.model.layers - saving - resident)
-
-
 def validate(cfg: Config) -> Config:
     """Checks every setting's range (ranges.py), then the relations between values that types
     alone cannot express."""
     check_ranges(cfg)
-    m, d, s = cfg.model, cfg.data, cfg.stream
-    fetched_twice = layers_fetched_twice(cfg)
+    m, d = cfg.model, cfg.data
     checks = [
         (m.heads % m.kv_heads == 0,
          f"model.heads ({m.heads}) must be a multiple of model.kv_heads ({m.kv_heads})"),
@@ -319,18 +312,7 @@ def validate(cfg: Config) -> Config:
          f"({d.micro_batches})"),
         (cfg.loop.eval_every == 0 or d.val_fraction > 0,
          "loop.eval_every needs a validation split: set data.val_fraction (e.g. 0.05)"),
-        ((pinned(s.resident_layers) or 0) <= m.layers,
-         f"stream.resident_layers ({s.resident_layers}) must be within [0, model.layers = "
-         f"{m.layers}]"),
-        (not s.keep_weights.isdigit() or int(s.keep_weights) <= fetched_twice,
-         f"stream.keep_weights ({s.keep_weights}) exceeds the {fetched_twice} layers "
-         "fetched for their backward (model.layers less stream.keep_layers and "
-         "stream.resident_layers); `on` keeps every one of them"),
-        ((pinned(s.keep_layers) or 0) <= m.layers,
-         f"stream.keep_layers ({s.keep_layers}) must be within [0, model.layers = {m.layers}]"),
-        ((pinned(s.keep_attention) or 0) <= m.layers - (pinned(s.keep_layers) or 0),
-         f"stream.keep_attention ({s.keep_attention}) exceeds the layers that do not save "
-         f"their activations (model.layers less stream.keep_layers); `on` keeps every one"),
+        *placement_checks(cfg),
         *optimizer_checks(cfg),
         (cfg.loop.run_dir.strip() != "", "loop.run_dir must name a folder"),
         (not m.fp8_matmuls or m.compute_dtype == "bfloat16",

@@ -21,6 +21,7 @@ import numpy as np
 
 from megatrain_jax.config import auto
 from megatrain_jax.config.schema import Config, layer_grad_dtype, pinned
+from megatrain_jax.planning import recompute
 from megatrain_jax.planning.optimizer_state import optimizer_bytes, state_bytes
 
 GiB = 2**30
@@ -41,8 +42,9 @@ class PlacementPlan:
     those keep their attention's output (stream.keep_attention); the `weight_layers`
     streamed layers before those keep the weights their forward fetched
     (stream.keep_weights); the first `host_inputs` layers' saved inputs wait on pinned host,
-    the others' on the GPU. With `resident_embeddings` the embedding and the head live and
-    update on the GPU.
+    the others' on the GPU; `recomputed_inputs` layers before those that keep anything save
+    none (stream.recompute_inputs: planning/recompute.py). With `resident_embeddings` the
+    embedding and the head live and update on the GPU.
     """
 
     resident_layers: int = 0
@@ -51,6 +53,7 @@ class PlacementPlan:
     attention_layers: int = 0
     weight_layers: int = 0
     host_inputs: int = 0
+    recomputed_inputs: int = 0
 
     def streamed_saving(self, layers: int) -> int:
         """The saving layers that stream (not resident): their backward fetches no weights."""
@@ -66,7 +69,8 @@ def plan_of(cfg: Config) -> PlacementPlan:
     a number, or on/off, device/pinned_host. Refuses a cfg the planner has not resolved."""
     s, layers = cfg.stream, cfg.model.layers
     counts = {k: pinned(getattr(s, k)) for k in
-              ("resident_layers", "keep_layers", "keep_attention", "keep_weights")}
+              ("resident_layers", "keep_layers", "keep_attention", "keep_weights",
+               "recompute_inputs")}
     unresolved = [k for k, v in counts.items() if v is None]
     unresolved += [k for k in ("resident_embeddings", "saved_inputs") if getattr(s, k) == "auto"]
     if unresolved:
@@ -76,7 +80,8 @@ def plan_of(cfg: Config) -> PlacementPlan:
     host = {"device": 0, "pinned_host": layers - saving}.get(s.saved_inputs)
     return PlacementPlan(counts["resident_layers"], s.resident_embeddings == "on", saving,
                          counts["keep_attention"], counts["keep_weights"],
-                         int(s.saved_inputs) if host is None else host)
+                         int(s.saved_inputs) if host is None else host,
+                         counts["recompute_inputs"])
 
 
 def device_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict:
@@ -110,6 +115,8 @@ def device_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict:
         "resident_embeddings": on * resident_embedding_bytes(cfg, n),
         **held,
         "kept_working_set": keeping * device["workspace"],
+        "recomputed_inputs": recomputed_bytes(cfg, plan, devices),  # mid-backward: as if
+        # at its start, beside everything held there (an upper bound)
         "resident_gradients": _positive(gradients - sum(held.values())),
     })
     return device
@@ -133,9 +140,19 @@ def resident_grad_bytes(cfg: Config, devices: int = 1) -> int:
 def inputs_on_gpu(cfg: Config, plan: PlacementPlan) -> int:
     """Layers' saved inputs on the GPU at the backward's peak: those that wait there, and
     SAVED_IN_FLIGHT of those that wait on the host, coming back."""
-    saved = inputs_saved(cfg, plan)
-    on_host = np.minimum(plan.host_inputs, saved)
-    return saved - on_host + np.minimum(SAVED_IN_FLIGHT, on_host)
+    on_host = recompute.host_saved(cfg, plan)
+    return inputs_saved(cfg, plan) - on_host + np.minimum(SAVED_IN_FLIGHT, on_host)
+
+
+def recomputed_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> int:
+    """Each GPU's bytes the backward's recompute of inputs adds at once (planning/recompute.py):
+    a run's recomputed inputs (and its saved one, brought from the host for it), and the
+    weights of the layers it runs again."""
+    plain = recompute.plain_layers(cfg, plan)
+    inputs = recompute.backward_inputs(plan, plain, recompute.host_saved(cfg, plan))
+    weights = recompute.backward_weights(plan, plain, cfg.stream.prefetch_depth)
+    return (inputs * saved_per_layer(local_config(cfg, devices))
+            + weights * weights_per_layer(cfg, devices))
 
 
 def fixed_bytes(cfg: Config, devices: int = 1, plan: PlacementPlan | None = None) -> dict:
@@ -179,8 +196,7 @@ def host_state_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict
         "master_weights": 4 * (layers + edges),
         "optimizer_state": state_bytes(cfg, layers, edges),
         "gradients": resident_grad_bytes(cfg, devices) * layers + 4 * edges,
-        "saved_inputs": np.minimum(plan.host_inputs, inputs_saved(cfg, plan))
-        * saved_per_layer(cfg),
+        "saved_inputs": recompute.host_saved(cfg, plan) * saved_per_layer(cfg),
     }
 
 
@@ -286,11 +302,10 @@ def activations(cfg: Config) -> dict:
             "working_set": working, "working_set_total": sum(working.values()) - apart}
 
 
-def inputs_saved(cfg: Config, plan: PlacementPlan | None = None) -> int:
+def inputs_saved(cfg: Config, plan: PlacementPlan) -> int:
     """How many layers save their input for the backward's recompute: all but the saving
-    layers (`plan`'s, else stream.keep_layers as set), which keep their matmuls' outputs."""
-    saving = plan.saving_layers if plan is not None else cfg.stream.keep_layers
-    return cfg.model.layers - saving
+    layers, which keep their matmuls' outputs, and those that recompute their input."""
+    return cfg.model.layers - plan.saving_layers - plan.recomputed_inputs
 
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from megatrain_jax.config import auto
 from megatrain_jax.config.schema import Config, layer_grad_dtype
 from megatrain_jax.planning.memory import GiB, activations, plan_of
+from megatrain_jax.planning.recompute import plain_layers
+from megatrain_jax.stream.schedule import recomputed_inputs
 
 
 def describe(cfg: Config, devices: int = 1) -> list[str]:
@@ -47,11 +49,14 @@ def placement_lines(cfg: Config, pins: Config | None = None) -> list[str]:
     activations; the fetched or the kept weights), and where its saved input waits. `pins`:
     the config as given, whose set keys are marked as pinned."""
     plan, layers = plan_of(cfg), cfg.model.layers
+    recomputed = recomputed_inputs(int(plain_layers(cfg, plan)), plan.recomputed_inputs)
     rows, start = [], 0
     for i in range(1, layers + 1):
-        if i == layers or _layer_row(plan, layers, i) != _layer_row(plan, layers, start):
+        if i == layers or _layer_row(plan, layers, i, recomputed) != _layer_row(
+                plan, layers, start, recomputed):
             first = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
-            rows.append((f"{first} ({i - start})", *_layer_row(plan, layers, start)))
+            rows.append((f"{first} ({i - start})",
+                         *_layer_row(plan, layers, start, recomputed)))
             start = i
     lines = [f"  {'layers':12s}{'state':11s}{'backward':50s}saved input on"]
     lines += [f"  {a:12s}{b:11s}{c:50s}{e}" for a, b, c, e in rows]
@@ -59,7 +64,8 @@ def placement_lines(cfg: Config, pins: Config | None = None) -> list[str]:
     lines.append(f"  embedding and head: {home}")
     if pins is not None:
         pinned = [k for k in ("resident_layers", "resident_embeddings", "keep_layers",
-                              "keep_attention", "keep_weights", "saved_inputs")
+                              "keep_attention", "keep_weights", "saved_inputs",
+                              "recompute_inputs")
                   if getattr(pins.stream, k) != "auto"]
         if pinned:
             lines.append("  pinned by the config: " + ", ".join(
@@ -67,8 +73,9 @@ def placement_lines(cfg: Config, pins: Config | None = None) -> list[str]:
     return lines
 
 
-def _layer_row(plan, layers: int, i: int) -> tuple[str, str, str]:
-    """(state, what the backward takes, where the saved input waits) of layer i."""
+def _layer_row(plan, layers: int, i: int, recomputed) -> tuple[str, str, str]:
+    """(state, what the backward takes, where the saved input waits) of layer i, where the
+    `recomputed` layers save none."""
     resident = i < plan.resident_layers
     saving_from = layers - plan.saving_layers
     state = "resident" if resident else "streamed"
@@ -82,4 +89,6 @@ def _layer_row(plan, layers: int, i: int) -> tuple[str, str, str]:
         weights = ", forward's weights kept"
     else:
         weights = ", weights fetched again"
+    if i in recomputed:
+        return state, recompute + weights, "none: recomputed"
     return state, recompute + weights, "host" if i < plan.host_inputs else "GPU"

@@ -10,7 +10,8 @@ The choices (memory.PlacementPlan): the first R layers' state resident on the GP
 there: no host update, no transfers for them), the embedding and head resident or not, the
 last S layers saving their activations (no recompute), A layers before those keeping their
 attention (rows of auto.KEEP_ATTENTION_FROM tokens or more), W streamed layers keeping the
-weights their forward fetched, and the first H layers' saved inputs waiting on the host.
+weights their forward fetched, the first H layers' saved inputs waiting on the host, and D
+layers saving no input at all (the backward runs their forward again: planning/recompute.py).
 
 What a byte of GPU room buys is read off the step's bound (planning/roofline.py): resident state
 removes its share of the host update, of the host memory's traffic and of both transfers;
@@ -20,7 +21,9 @@ inputs kept on the GPU their two trips. The planner searches every (R, S, embedd
 budgets and pins allow, at once as arrays; for each it keeps inputs on the GPU as far as the
 room allows and fills the rest with kept weights, which is never worse: an input byte on the
 GPU saves at least the link and host memory bytes a kept-weight byte saves (its trip back in
-the backward) and also its trip out in the forward. It minimizes the mean of two bounds: a
+the backward) and also its trip out in the forward. Where the host cannot hold the inputs
+left to it, it recomputes the fewest with which it can (one more layer forward each, in the
+bound). It minimizes the mean of two bounds: a
 step that clips (no update during the backward: every step of a fresh run or a fine-tune)
 and one that does not (tests/test_planner.py checks this against exhaustive search). Ties go
 to more resident and saving layers: the GPU's room is part of the home.
@@ -37,7 +40,8 @@ import numpy as np
 
 from megatrain_jax.config import HOST_OPTIMIZERS, Config, ConfigError, auto
 from megatrain_jax.config.schema import pinned
-from megatrain_jax.planning import memory, presets, roofline, staging
+from megatrain_jax.planning import memory, presets, recompute, roofline, staging
+from megatrain_jax.planning.bisection import least, most
 from megatrain_jax.planning.memory import HEADROOM, PlacementPlan
 
 GiB = 2**30
@@ -68,7 +72,7 @@ def plan_placement(cfg: Config, gpu: int | None, host: int | None, devices: int,
     `gpu` bytes of each of `devices` GPUs (None: unknown, nothing placed there) and `host`
     bytes of host memory (None: unknown, unbounded). Refuses, with the numbers, where no
     placement fits."""
-    grid = _candidates(cfg, gpu, devices)
+    grid = _candidates(cfg, gpu, devices, host)
     fitting = grid["device_total"] <= (np.inf if gpu is None else gpu - HEADROOM)
     fitting &= grid["host_total"] <= (np.inf if host is None else host)
     fitting &= _keeps_pins(cfg, grid)
@@ -112,7 +116,8 @@ def _keeps_pins(cfg: Config, grid: dict):
         ok &= grid["weight_layers"] == int(s.keep_weights)
     if s.keep_attention.isdigit():
         ok &= grid["attention_layers"] == int(s.keep_attention)
-    return ok
+    plain = recompute.plain_layers(cfg, PlacementPlan(**{k: grid[k] for k in _PLAN_KEYS}))
+    return ok & (grid["recomputed_inputs"] < np.maximum(plain, 1))  # a pin the layout allows
 
 
 def host_total(cfg: Config, plan: PlacementPlan, devices: int):
@@ -127,7 +132,7 @@ def host_total(cfg: Config, plan: PlacementPlan, devices: int):
 def closest(cfg: Config, gpu: int | None, devices: int) -> PlacementPlan:
     """Where no placement fits: the one that needs the least host memory among those that fit
     the GPU, or the least GPU memory where none does (what `plan` shows the numbers of)."""
-    grid = _candidates(cfg, gpu, devices)
+    grid = _candidates(cfg, gpu, devices, host=0)  # each recomputing all it may: its least
     on_gpu = grid["device_total"] <= (np.inf if gpu is None else gpu - HEADROOM)
     need = np.where(on_gpu, grid["host_total"], np.inf) if on_gpu.any() else grid["device_total"]
     return _plan_at(grid, int(np.argmin(need)))
@@ -139,7 +144,7 @@ def _plan_at(grid: dict, k: int) -> PlacementPlan:
 
 
 _PLAN_KEYS = ("resident_layers", "resident_embeddings", "saving_layers", "attention_layers",
-              "weight_layers", "host_inputs")
+              "weight_layers", "host_inputs", "recomputed_inputs")
 _TIE_ORDER = ("resident_layers", "saving_layers", "resident_embeddings", "attention_layers",
               "weight_layers")
 
@@ -190,7 +195,7 @@ def pinned_config(cfg: Config, plan: PlacementPlan, save_staging: str = "whole")
         cfg, "stream", save_staging=save_staging, resident_layers=str(plan.resident_layers),
         resident_embeddings="on" if plan.resident_embeddings else "off",
         keep_layers=str(plan.saving_layers), keep_attention=str(plan.attention_layers),
-        keep_weights=str(plan.weight_layers),
+        keep_weights=str(plan.weight_layers), recompute_inputs=str(plan.recomputed_inputs),
         saved_inputs="device" if plan.host_inputs == 0 else str(plan.host_inputs))
 
 
@@ -207,9 +212,10 @@ def _options(value: str, auto_range: range, words: dict | None = None) -> np.nda
     return np.array(list(auto_range))
 
 
-def _candidates(cfg: Config, gpu: int | None, devices: int) -> dict:
-    """Every placement the pins allow as arrays, one element a placement, with their inputs
-    and kept weights filled into each one's room, and their bytes."""
+def _candidates(cfg: Config, gpu: int | None, devices: int, host: int | None = None) -> dict:
+    """Every placement the pins allow as arrays, one element a placement, with their inputs,
+    recomputed inputs (where `host` bytes are known) and kept weights filled into each one's
+    room, and their bytes."""
     s, layers, known = cfg.stream, cfg.model.layers, gpu is not None
     room_for = range(layers + 1) if known else range(1)
     resident = _options(s.resident_layers, room_for)
@@ -217,7 +223,7 @@ def _candidates(cfg: Config, gpu: int | None, devices: int) -> dict:
     embeddings = _options(s.resident_embeddings, range(2) if known else range(1),
                           {"on": 1, "off": 0})
     r, sv, e = (a.ravel() for a in np.meshgrid(resident, saving, embeddings, indexing="ij"))
-    grids = [_filled(cfg, r, sv, e, a, gpu, devices)
+    grids = [_filled(cfg, r, sv, e, a, gpu, devices, host)
              for a in _attention_options(cfg, known, devices)]
     return {key: np.concatenate([g[key] for g in grids]) for key in grids[0]}
 
@@ -245,58 +251,44 @@ def keeps_attention(cfg: Config, devices: int) -> bool:
     return devices == 1 and path in auto.KEEPS_ATTENTION
 
 
-def _filled(cfg: Config, r, sv, e, attention: int, gpu, n: int) -> dict:
+def _filled(cfg: Config, r, sv, e, attention: int, gpu, n: int, host_room) -> dict:
     """The candidates (r, sv, e) with `attention` layers keeping their attention: their saved
-    inputs on the GPU as far as its room holds them (the fewest on the host that fit), kept
-    weights in the rest (the most that fit), and their bytes."""
+    inputs on the GPU as far as its room holds them (the fewest on the host that fit), the
+    fewest recomputed inputs with which the host's room holds the rest (recompute.fewest), kept
+    weights in the GPU's room left (the most that fit), and their bytes."""
     s, layers = cfg.stream, cfg.model.layers
     inputs, zero = layers - sv, np.zeros_like(r)
     a = np.minimum(attention, inputs)
     twice = np.maximum(0, layers - sv - r)  # the streamed layers fetched again
     budget = np.inf if gpu is None else gpu - HEADROOM
+    count = pinned(s.recompute_inputs)
+    recomputed = zero + (count or 0)
 
     def fits(host, weights):
-        plan = PlacementPlan(r, e, sv, a, weights, host)
+        plan = PlacementPlan(r, e, sv, a, weights, host, recomputed)  # as far as chosen
         return sum(memory.device_bytes(cfg, plan, n).values()) <= budget
 
     pinned_weights = _pinned_weights(cfg, twice)
     weights = zero if pinned_weights is None else pinned_weights
     if s.saved_inputs == "pinned_host":
         host = inputs
+    elif pinned(s.saved_inputs) is not None:
+        host = np.minimum(pinned(s.saved_inputs), inputs)
     elif s.saved_inputs == "device" or gpu is None:
         host = zero
     else:  # the fewest on the host that fit (all of them where none does): the GPU's bytes
-        host = _least(lambda h: fits(h, weights), zero, inputs)  # fall as more wait there
+        host = least(lambda h: fits(h, weights), zero, inputs)  # fall as more wait there
+    if s.recompute_inputs == "auto" and host_room is not None:
+        plan = PlacementPlan(r, e, sv, a, weights, host)
+        recomputed = recompute.fewest(lambda d: host_total(cfg, dataclasses.replace(
+            plan, recomputed_inputs=d), n), recompute.plain_layers(cfg, plan) - 1, host_room)
+        recomputed = np.where(fits(host, weights), recomputed, zero)  # where the GPU holds it
     if pinned_weights is None and gpu is not None:  # the most that fit: the bytes grow with them
-        weights = _most(lambda w: fits(host, w), zero, twice)
-    plan = PlacementPlan(r, e, sv, a, weights, host)
+        weights = most(lambda w: fits(host, w), zero, twice)
+    plan = PlacementPlan(r, e, sv, a, weights, host, recomputed)
     return {**{key: getattr(plan, key) for key in _PLAN_KEYS},
             "device_total": sum(memory.device_bytes(cfg, plan, n).values()),
             "host_total": host_total(cfg, plan, n)}
-
-
-def _least(fits, lo, hi):
-    """Element by element, the least x in [lo, hi] with fits(x), else hi, where fits is
-    monotone (false, then true, as x grows): by bisection, fits called on whole arrays."""
-    lo, hi = lo.copy(), hi.copy()
-    while (open_ := lo < hi).any():
-        mid = (lo + hi) // 2
-        ok = fits(mid)
-        hi = np.where(open_ & ok, mid, hi)
-        lo = np.where(open_ & ~ok, mid + 1, lo)
-    return lo
-
-
-def _most(fits, lo, hi):
-    """Element by element, the most x in [lo, hi] with fits(x), else lo, where fits is
-    monotone (true, then false, as x grows): by bisection, fits called on whole arrays."""
-    lo, hi = lo.copy(), hi.copy()
-    while (open_ := lo < hi).any():
-        mid = (lo + hi + 1) // 2
-        ok = fits(mid)
-        lo = np.where(open_ & ok, mid, lo)
-        hi = np.where(open_ & ~ok, mid - 1, hi)
-    return lo
 
 
 def _pinned_weights(cfg: Config, twice):

@@ -49,6 +49,7 @@ import math
 import numpy as np
 
 from megatrain_jax.config import ModelConfig, host_update, layer_grad_dtype
+from megatrain_jax.planning import recompute
 from megatrain_jax.planning.memory import PlacementPlan, optimizer_bytes, plan_of, saved_per_layer
 from megatrain_jax.planning.probe import planned_devices
 
@@ -80,8 +81,7 @@ class Rates:
 
     @classmethod
     def from_result(cls, result: dict) -> "Rates":
-        """The rates inside a dict that holds them with more (measure's, bench_step's).
-        Fields with defaults may be missing (results of older versions)."""
+        """The rates in a dict with more (measure's); fields with defaults may be missing."""
         return cls(**{f.name: result[f.name] for f in dataclasses.fields(cls)
                       if f.name in result or f.default is dataclasses.MISSING})
 
@@ -100,8 +100,7 @@ RESIDENT_UPDATE_BYTES = 28  # GPU memory bytes of a resident update: p, g, m, v 
 
 
 def _most(*terms):
-    """The largest of the terms, element by element where some are arrays (the planner
-    evaluates many placements, or many shares of the update, at once)."""
+    """The largest of the terms, element by element (of arrays: placements, shares)."""
     return functools.reduce(np.maximum, terms)
 
 
@@ -109,7 +108,7 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
           resident_layers: int = 0, grad_bytes: float = 4, update_bytes: float | None = None,
           speculate=0.0, kept_layers: int = 0, resident_embeddings: bool = False,
           saving_layers: int = 0, attention_layers: int = 0, attention_s: float = 0.0,
-          host_input_bytes: float = 0.0) -> dict:
+          host_input_bytes: float = 0.0, recomputed_layers=0, fetched_again=0) -> dict:
     """Seconds per component and both bounds, for one step of `model` at the given rates.
 
     `grad_bytes`: bytes per streamed parameter of the gradients that travel to the host and
@@ -129,17 +128,18 @@ def bound(model: ModelConfig, rates: Rates, bytes_per_param: int = 4,
     the backward fetches the rest. The `saving_layers` backward does not recompute their
     matmuls (`Rates.saved_by_saving`), the `attention_layers` do not attend again
     (`attention_s` each). `host_input_bytes` of saved layer inputs wait on pinned host: out
-    in the forward, back in the backward.
+    in the forward, back in the backward. `recomputed_layers` run their forward again in the
+    backward (stream.recompute_inputs), `fetched_again` of them fetching their weights.
     """
     p = streamed_params(model, resident_layers, resident_embeddings)
-    refetched = 1 - kept_layers * model.params_per_layer / np.maximum(p, 1)  # the backward's share
+    refetched = 1 - (kept_layers - fetched_again) * model.params_per_layer / np.maximum(p, 1)
     weight_pass = bytes_per_param * p / (rates.h2d_gbps * 1e9)
     inputs_out = host_input_bytes / (rates.d2h_gbps * 1e9)
     inputs_in = host_input_bytes / (rates.h2d_gbps * 1e9)
     gradients = grad_bytes * p / (rates.d2h_gbps * 1e9)
     forward = model.layers * rates.layer_forward_s
     backward = (model.layers * rates.layer_backward_s - saving_layers * rates.saved_by_saving()
-                - attention_layers * attention_s)
+                - attention_layers * attention_s + recomputed_layers * rates.layer_forward_s)
     head = rates.head_s
     optimizer = p / (rates.optimizer_gparams * 1e9)
     on_gpu = model.num_params - p
@@ -211,8 +211,8 @@ def streamed_params(model: ModelConfig, resident_layers: int = 0,
 
 def host_params(cfg) -> int:
     """`streamed_params` of a resolved cfg's run (every placement key pinned: planner.py)."""
-    return streamed_params(cfg.model, plan_of(cfg).resident_layers,
-                           plan_of(cfg).resident_embeddings)
+    plan = plan_of(cfg)
+    return streamed_params(cfg.model, plan.resident_layers, plan.resident_embeddings)
 
 
 def bound_for(cfg, rates: Rates, devices: int | None = None) -> dict:
@@ -236,8 +236,7 @@ def speculate_shares(cfg) -> np.ndarray:
 def best_speculate_share(cfg, rates: Rates, devices: int | None = None) -> tuple[float, float]:
     """(share, bound seconds): the smallest of `speculate_shares` whose bound is the shortest
     (a step whose speculative update stands); 0 where speculating does not pay. The bound is
-    flat from where the backward's host memory is full to where the forward's is no longer
-    the limit."""
+    flat from where the backward's host memory is full to where the forward's stops binding."""
     devices = planned_devices(cfg) if devices is None else devices
     shares = speculate_shares(cfg)
     seconds = bound_of(cfg, plan_of(cfg), rates, devices, shares)["step_s"]
@@ -250,8 +249,8 @@ SHARES = np.linspace(0.0, 1.0, 21)
 
 
 def bound_of(cfg, placement, rates: Rates, devices: int, share=0.0) -> dict:
-    """`bound` of cfg's step under a placement (a `memory.PlacementPlan`, or the planner's
-    dict of arrays, one element a candidate), `share` of the update during the backward."""
+    """`bound` of cfg's step under a placement (a PlacementPlan, or the planner's dict of
+    arrays, one element a candidate), `share` of the update during the backward."""
     if isinstance(placement, dict):
         placement = PlacementPlan(**{f.name: placement[f.name]
                                      for f in dataclasses.fields(PlacementPlan)})
@@ -263,7 +262,8 @@ def bound_of(cfg, placement, rates: Rates, devices: int, share=0.0) -> dict:
         kept_layers=p.unfetched(m.layers), resident_embeddings=p.resident_embeddings,
         saving_layers=p.saving_layers, attention_layers=p.attention_layers,
         attention_s=rates.layer_forward_s * attention_share(cfg),
-        host_input_bytes=p.host_inputs * saved_per_layer(cfg))
+        host_input_bytes=recompute.host_saved(cfg, p) * saved_per_layer(cfg),
+        recomputed_layers=p.recomputed_inputs, fetched_again=recompute.fetched_again(cfg, p))
 
 
 def attention_share(cfg) -> float:

@@ -33,12 +33,7 @@ from megatrain_jax.planning.probe import (
     host_memory_available,
     planned_devices,
 )
-from megatrain_jax.planning.roofline import (  # no JAX
-    Rates,
-    gradient_bytes,
-    host_params,
-    update_bytes,
-)
+from megatrain_jax.planning.roofline import Rates, gradient_bytes, host_params, update_bytes
 from megatrain_jax.planning.staging import checkpoint_bytes, staging_pinned_bytes
 
 GiB = 2**30
@@ -68,7 +63,8 @@ def placement_summary(cfg: Config) -> str:
     for n, what in ((plan.saving_layers, "saving activations"),
                     (plan.attention_layers, "keeping attention"),
                     (plan.weight_layers, "keeping fetched weights"),
-                    (plan.host_inputs, "with inputs on host")):
+                    (plan.host_inputs, "with inputs on host"),
+                    (plan.recomputed_inputs, "recomputing their input")):
         if n:
             parts.append(f"{n} {what}")
     parts.append("embedding and head " + ("resident" if plan.resident_embeddings else
@@ -262,7 +258,7 @@ def _fits(cfg: Config, host: int | None, gpu: int | None) -> bool:
 
 
 PLACEMENT_KEYS = ("resident_layers", "resident_embeddings", "keep_layers", "keep_attention",
-                  "keep_weights", "saved_inputs")
+                  "keep_weights", "saved_inputs", "recompute_inputs")
 
 
 def fitting_changes(cfg: Config, host: int | None, gpu: int | None) -> list[str]:

@@ -86,6 +86,7 @@ class StreamTrainer:
             speculate=cfg.stream.speculate, speculate_share=cfg.stream.speculate_share,
             mesh=mesh, keep_attention=plan.attention_layers, keep_layers=plan.saving_layers,
             keep_weights=plan.weight_layers, resident_embeddings=plan.resident_embeddings,
+            recompute_inputs=plan.recomputed_inputs,
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go

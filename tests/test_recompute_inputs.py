@@ -51,8 +51,6 @@ def test_recomputed_inputs_give_the_same_gradients_and_fetch_what_they_recompute
              "layer 0"],
         (("recompute_inputs", 2), ("saved_inputs", 2), ("keep_weights", 2)):
             ["input 0", "layer 0", "layer 1", "layer 0"],
-        (("recompute_inputs", 2), ("resident_layers", 1)):  # layer 0's input alone travels
-            ["layer 2", "layer 3", "layer 2", "layer 1", "layer 0"],
     }
     for placement, transfers in cases.items():
         got = _forward_backward(cfg, params, **dict(placement))
@@ -78,7 +76,7 @@ def test_a_step_recomputing_inputs_trains_as_the_reference_with_clipping():
     cfg = tiny(*CLIPPED, "stream.update=host", "stream.resident_layers=1",
                "stream.saved_inputs=pinned_host", "stream.recompute_inputs=2",
                "optim.clip_norm=1.5")
-    stream, _ = agrees_with_reference_while_clipping(cfg, 8)
+    stream, _ = agrees_with_reference_while_clipping(cfg, 6)
     assert stream.engine.schedule.recompute_inputs == 2
     assert memory.plan_of(stream.cfg).recomputed_inputs == 2
 

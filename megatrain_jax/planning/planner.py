@@ -135,7 +135,13 @@ def closest(cfg: Config, gpu: int | None, devices: int) -> PlacementPlan:
     grid = _candidates(cfg, gpu, devices, host=0)  # each recomputing all it may: its least
     on_gpu = grid["device_total"] <= (np.inf if gpu is None else gpu - HEADROOM)
     need = np.where(on_gpu, grid["host_total"], np.inf) if on_gpu.any() else grid["device_total"]
-    return _plan_at(grid, int(np.argmin(need)))
+    return _plan_at(grid, _least_needing(need, grid))
+
+
+def _least_needing(need, grid: dict) -> int:
+    """The candidate that needs least, of those that need as little the one recomputing the
+    fewest inputs (recomputing buys bytes only where they are short)."""
+    return int(np.lexsort((grid["recomputed_inputs"], need))[0])
 
 
 def _plan_at(grid: dict, k: int) -> PlacementPlan:
@@ -327,7 +333,7 @@ def _refusal(cfg: Config, grid: dict, gpu: int | None, host: int | None) -> str:
                 "(data.micro_batches, data.seq_len), or raise stream.gpu_budget_gb.")
     # The placement that needs the least host memory (`closest`, whose table `plan` shows):
     # its resident layers, not the most any placement fitting the GPU could hold.
-    k = int(np.argmin(np.where(on_gpu, grid["host_total"], np.inf)))
+    k = _least_needing(np.where(on_gpu, grid["host_total"], np.inf), grid)
     least, held = grid["host_total"][k], grid["resident_layers"][k]
     compact = ", optim.state_dtype=bfloat16 or int8" if cfg.optim.name in HOST_OPTIMIZERS else ""
     return (f"The model needs {least / GiB:.1f} GiB of host memory ({size} in fp32 with "

@@ -30,13 +30,15 @@ def _cfg(run_dir, *more):
 
 TRAINERS = {"stream": ["loop.trainer=stream"], "reference": ["loop.trainer=reference"],
             "stream_resident": ["loop.trainer=stream", "stream.resident_layers=1"]}
+FP8 = ["loop.trainer=stream", "model.compute_dtype=bfloat16", "model.fp8_matmuls=true"]
 
 
-@pytest.mark.parametrize("trainer", sorted(TRAINERS))
+@pytest.mark.parametrize("trainer", [*sorted(TRAINERS), "fp8"])
 def test_resume_gives_the_same_losses_as_an_unbroken_run(tmp_path, trainer):
-    straight = train(_cfg(tmp_path / "a", "loop.steps=10", *TRAINERS[trainer]))
-    train(_cfg(tmp_path / "b", "loop.steps=5", *TRAINERS[trainer]))
-    resumed = train(_cfg(tmp_path / "b", "loop.steps=10", *TRAINERS[trainer]))
+    keys = FP8 if trainer == "fp8" else TRAINERS[trainer]
+    straight = train(_cfg(tmp_path / "a", "loop.steps=10", *keys))
+    train(_cfg(tmp_path / "b", "loop.steps=5", *keys))
+    resumed = train(_cfg(tmp_path / "b", "loop.steps=10", *keys))
     a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert sorted(b) == list(range(1, 11))  # the resumed run appended to metrics.jsonl
     assert [b[s] for s in range(6, 11)] == [a[s] for s in range(6, 11)]  # bit for bit

@@ -114,3 +114,18 @@ def test_a_saving_layer_keeps_as_many_bytes_with_fp8_as_with_bf16():
     bf16, fp8_ = (tiny("model.compute_dtype=bfloat16", *SMALL).model,
                   tiny(*FP8, *SMALL).model)
     assert kept_bytes(fp8_) == kept_bytes(bf16)
+
+
+def test_the_planner_expects_fp8_layers_at_the_measured_speedup():
+    """The H200 preset's FP8 layer rate: the matmuls at fp8_speedup times bf16's, the
+    attention as it was; 7b's expected step at 16 x 1024 faster by about that."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.planning.presets import PRESETS, attention_flops, layer_flops
+
+    h200 = PRESETS["H200"]
+    bf16, fp8_ = load_config("7b", []), load_config("7b", list(FP8))
+    matmuls = layer_flops(bf16) - attention_flops(bf16)
+    saved = matmuls / (h200.layer_tflops * 1e12) * (1 - 1 / h200.fp8_speedup)
+    assert h200.rates(bf16).layer_forward_s - h200.rates(fp8_).layer_forward_s == \
+        pytest.approx(saved, rel=1e-9)
+    assert 1.2 < h200.fp8_speedup < 2.0

@@ -54,12 +54,19 @@ class Machine:
     host_copy_gbps: float = 20.0
     disk_write_gbps: float = 1.5
     disk_read_gbps: float = 1.5
+    # The layer's matmuls with model.fp8_matmuls over bf16's, their quantization included, in
+    # the engine's steps: fitted on the H200 to 7b's and 3b's defaults at 16 x 1024 tokens
+    # (17,624 and 34,393 tokens/s measured; 16,980 and 35,922 planned). One layer's forward
+    # and backward alone gains more (1.45 at 7b, 1.34 at 3b: benchmarks/bench_fp8.py): a saving
+    # layer's backward quantizes again what it recomputes. Assumed for the other FP8 GPUs.
+    fp8_speedup: float = 1.3
 
     def rates(self, cfg: Config, devices: int = 1) -> Rates:
         """The roofline's rates for a step of `cfg` on `devices` of this machine's GPUs (the
         step's rows split over them, each with its own link; one host)."""
         matmuls = layer_flops(cfg) - attention_flops(cfg)
-        forward = (matmuls / self.layer_tflops + attention_flops(cfg) / self.attention_tflops) \
+        matmul_tflops = self.layer_tflops * (self.fp8_speedup if cfg.model.fp8_matmuls else 1)
+        forward = (matmuls / matmul_tflops + attention_flops(cfg) / self.attention_tflops) \
             / (1e12 * devices)
         return Rates(
             h2d_gbps=self.h2d_gbps * devices, d2h_gbps=self.d2h_gbps * devices,

@@ -621,3 +621,24 @@ def test_deterministic_runs_set_xlas_flag_before_jax_starts(tmp_path, monkeypatc
     assert flags.count(deterministic.FLAG) == 1
     deterministic.set_env()  # once only
     assert os.environ["XLA_FLAGS"].split().count(deterministic.FLAG) == 1
+
+
+def test_a_slow_start_is_explained_with_its_pinned_bytes_and_rate(tmp_path, monkeypatch, capsys):
+    """A state whose building and placing takes long, filling pinned host memory slowly, is
+    said once at the start, with the bytes, the rate and the key that shortens it."""
+    from megatrain_jax.train import accounting
+
+    assert accounting.startup_note(62.0, 80e9).startswith(
+        "building and placing the state took 62 s, 80 GB of it in pinned host memory, which "
+        "comes at about 1.5 GB/s when new (about 53 s of it)")
+    assert "stream.gpu_budget_gb" in accounting.startup_note(62.0, 80e9)
+    assert accounting.startup_note(20.0, 30e9) is None  # quick enough
+    assert accounting.startup_note(62.0, 1e9) is None  # pinning is not what took the time
+    monkeypatch.setattr(accounting, "SLOW_STARTUP_S", 0.0)
+    monkeypatch.setattr(accounting, "NEW_PINNED_GBPS", 1e-9)
+    assert main(["train", "tiny", *_args(tmp_path / "run", "loop.steps=1",
+                                         "loop.checkpoint_every=0", "stream.resident_layers=0",
+                                         "stream.resident_embeddings=off",
+                                         "loop.progress=plain")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("megatrain-jax: building and placing the state took") == 1

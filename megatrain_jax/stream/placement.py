@@ -55,6 +55,13 @@ def memory_kinds(tree) -> set[str]:
     return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}
 
 
+def pinned_bytes(tree) -> int:
+    """Bytes of `tree`'s arrays this process holds in pinned host memory, every shard's."""
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
+               if getattr(getattr(leaf, "sharding", None), "memory_kind", None) == HOST_KIND
+               for shard in leaf.addressable_shards)
+
+
 def placed_shapes(tree, shardings) -> object:
     """ShapeDtypeStructs of `tree`'s leaves with `shardings` (a tree of the same structure):
     a target to restore into."""

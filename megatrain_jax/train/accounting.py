@@ -24,6 +24,10 @@ import time
 from dataclasses import dataclass, field
 
 SAVE_SHARE = 0.05  # saves costing more of the run's time than this are reported once
+SLOW_STARTUP_S = 30.0  # a state built and placed slower than this is explained once
+# New pinned host memory's rate (the kernel locking fresh pages): 1.3-1.9 GB/s measured on the
+# lent H200 machines (benchmarks/bench_capture.py).
+NEW_PINNED_GBPS = 1.5
 
 
 @dataclass
@@ -37,6 +41,11 @@ class RunClock:
     waits: list = field(default_factory=list)  # of which each waited for the save before
     _open_stall: float | None = None  # the save being measured
     _opened_at: int = -1  # the count of steps when it began
+
+    placing: tuple = (0.0, 0)  # the new state's build and placement: seconds, pinned bytes
+
+    def placed(self, seconds: float, pinned_bytes: int) -> None:
+        self.placing = (seconds, pinned_bytes)
 
     def first_step(self) -> None:
         self.startup_s = time.perf_counter() - self.began
@@ -130,6 +139,19 @@ def advice(clock: RunClock, every: int, write_s: float | None) -> str | None:
     return (f"saves cost {share:.0%} of this run's time ({stall:.2f} s a save{written}, one "
             f"every {every} steps of {m:.2f} s); loop.checkpoint_every={wanted} or more would "
             f"keep them under {SAVE_SHARE:.0%}.")
+
+
+def startup_note(seconds: float, pinned_bytes: int) -> str | None:
+    """Why building and placing a new state took more than SLOW_STARTUP_S, where filling its
+    pinned host memory at NEW_PINNED_GBPS accounts for half of it or more; None otherwise."""
+    pinning = pinned_bytes / (NEW_PINNED_GBPS * 1e9)
+    if seconds <= SLOW_STARTUP_S or pinning < seconds / 2:
+        return None
+    return (f"building and placing the state took {seconds:.0f} s, {pinned_bytes / 1e9:.0f} GB "
+            f"of it in pinned host memory, which comes at about {NEW_PINNED_GBPS:g} GB/s when "
+            f"new (about {min(pinning, seconds):.0f} s of it), once a run; a larger "
+            "stream.gpu_budget_gb keeps more of the state on the GPU and starts sooner "
+            "(`megatrain-jax plan CONFIG --budgets ...` shows what each costs).")
 
 
 def time_line(summary: dict) -> str:

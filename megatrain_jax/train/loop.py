@@ -37,8 +37,9 @@ from megatrain_jax.io.data import TokenSource
 from megatrain_jax.io.processes import Peers
 from megatrain_jax.io.run_folder import RunLock
 from megatrain_jax.stream import Timeline
+from megatrain_jax.stream.placement import pinned_bytes
 from megatrain_jax.train import deterministic
-from megatrain_jax.train.accounting import RunClock, advice
+from megatrain_jax.train.accounting import RunClock, advice, startup_note
 from megatrain_jax.train.export import export_final
 from megatrain_jax.train.machine import memory_record, peak_flops
 from megatrain_jax.train.outputs import Outputs, evaluate, write_timeline
@@ -118,7 +119,9 @@ def _train(cfg: Config, lock: RunLock, log, on_start, stop, clock: RunClock) -> 
     try:
         state, start, skipped = _resume(cfg, trainer, ckpt)
         if state is None:
+            placing = time.perf_counter()
             state = initial_state(cfg, trainer)
+            clock.placed(time.perf_counter() - placing, pinned_bytes(trainer.state_tree(state)))
         agreed = AgreedStop(stop, Peers.of_this_run())  # every process stops alike
         signum, _ = agreed.decide("begin", False, _none)
         if signum is not None:  # before the first step: nothing to save, nothing written yet
@@ -202,6 +205,7 @@ def _loop(cfg: Config, trainer, state, tally: _Tally, data: TokenSource,
     loop = cfg.loop
     out = Outputs(cfg, tally.start, log)
     tally.clock.first_step()
+    _note_once(out, tally, "startup", startup_note(*tally.clock.placing))
     if ckpt is not None and ckpt.no_room and not loop.checkpoint_every:
         _note_once(out, tally, "room", f"this run will keep no checkpoint: {ckpt.no_room}")
     saved = False

@@ -80,6 +80,8 @@ def compare(run_dir: str) -> dict:
             "params_rel": max_rel_error(state.params, ref_state.params),
             "mesh": placement.devices,
             "kinds": sorted({leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}),
+            "state_kinds": sorted({leaf.sharding.memory_kind
+                                   for leaf in jax.tree.leaves(tree["opt_state"])}),
             "streamed_kinds": sorted({leaf.sharding.memory_kind for resident, leaf in homes
                                       if not resident}),
             "not_as_designed": [

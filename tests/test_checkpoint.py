@@ -67,12 +67,15 @@ def test_resume_with_packed_instruction_data_and_evals(tmp_path):
 
 
 def test_restore_goes_straight_to_pinned_host(tmp_path):
+    """The weights into pinned memory, the optimizer state into the plain host memory where
+    the host update keeps it."""
     cfg = _cfg(tmp_path, "loop.steps=5")
     train(cfg)
     trainer = make_trainer(cfg)
     ckpt = Checkpointer(tmp_path / "checkpoints")
     tree, meta = ckpt.restore(5, trainer.abstract_state())
-    assert memory_kinds(tree) == {"pinned_host"}
+    assert memory_kinds(tree["params"]) == {"pinned_host"}
+    assert memory_kinds(tree["opt_state"]) == {"unpinned_host"}
     assert meta["step"] == 5 and meta["data_position"] == 5
     assert int(tree["opt_state"]["layers"][0][0].count) == 5
     # The same checkpoint restored for a run that keeps layer 0 on the GPU.
@@ -122,14 +125,15 @@ def test_checkpoint_of_another_model_is_refused_with_the_difference(tmp_path):
 
 @pytest.mark.parametrize("trainer, parts", [("stream", None), ("stream", 1),
                                            ("stream_resident", None), ("stream_resident", 1),
-                                           ("reference", None)])
+                                           ("stream_resident", 0), ("reference", None)])
 def test_a_save_captures_the_state_and_writes_it_while_training_goes_on(
         tmp_path, monkeypatch, trainer, parts):
     """A save copies the state into its staging area and returns: the next steps run, and
     update the state (in place on the host, by donation on the GPU), while no file of the
     save is written yet; the checkpoint holds the state of its step, bit for bit. Part by part
     (one part staged at a time), a step's update waits for its parts' capture, which waits for
-    the disk, and the checkpoint is the same."""
+    the disk, and the checkpoint is the same. With none staged (0), each part is written
+    from the state itself, its update waiting for the write: the same checkpoint again."""
     import threading
 
     from megatrain_jax.io import array_files
@@ -180,7 +184,9 @@ def test_a_save_captures_the_state_and_writes_it_while_training_goes_on(
         np.testing.assert_array_equal(x, np.asarray(y))
     host = [leaf.nbytes for leaf in jax.tree.leaves(tree) if memory_kinds(leaf) != {"device"}]
     assert ckpt.staging.held_bytes == reserved  # the save used what was made for it
-    if parts is not None:  # one part's buffers, lent and given back, not a copy of the state
+    if parts == 0:  # no copy at all
+        assert ckpt.staging.held_bytes == 0
+    elif parts is not None:  # one part's buffers, lent and given back, not a copy of the state
         layer = sum(x.nbytes for x in jax.tree.leaves((tree["params"]["layers"][0],
                                                       tree["opt_state"]["layers"][0])))
         assert 0 < ckpt.staging.held_bytes <= layer <= sum(host)

@@ -77,9 +77,12 @@ def test_kept_weight_shards_train_the_same_bits_and_travel_once(four):
 
 
 def test_every_host_leaf_is_sharded_as_designed_in_pinned_host_memory(four):
+    """The weights pinned, the optimizer state (only the host update reads it) in plain host
+    memory, each split over the devices alike."""
     _, out = four
     host = out["host"]
-    assert host["kinds"] == ["pinned_host"] and host["not_as_designed"] == []
+    assert host["kinds"] == ["pinned_host", "unpinned_host"] and host["not_as_designed"] == []
+    assert host["state_kinds"] == ["unpinned_host"]
     assert host["whole"] == ["()"]  # only the step counts are not split
     # Each device holds a quarter of the weights: one copy of the state over the mesh.
     assert host["host_shard_bytes"] * 4 == host["host_bytes"]
@@ -180,7 +183,7 @@ def test_the_plan_is_per_gpu_for_a_mesh_and_the_host_holds_one_state():
                         gpu=140 * 2**30)
     assert two["devices"] == 2 and one["devices"] == 1
     # Twice the tokens, the same host state; one pinned pool a GPU, each with its margin.
-    assert all(two["host"][k] == one["host"][k] for k in plan.PINNED)
+    assert all(two["host"][k] == one["host"][k] for k in plan.STATE)
     extra = two["host"]["pool_margin"] - one["host"]["pool_margin"]
     assert 0 < extra <= plan.POOL_MARGIN + 2 * 2**30  # the second margin, two roundings
     # Summed over the mesh, the layer gradients are no bf16 values: auto keeps them fp32.

@@ -87,7 +87,7 @@ def test_the_staging_area_is_what_the_host_has_room_for():
     assert staging.decide(cfg, sum(parts)) == "whole"
     layer = parts[1]
     assert staging.decide(cfg, 3 * layer + 1) == "3"
-    assert staging.decide(cfg, 1) == "1"  # the planner leaves room for one part at least
+    assert staging.decide(cfg, 1) == "0"  # no room for a part: each is written from the state
     quiet = memory.replaced(cfg, "loop", final_checkpoint=False, stop_save=False)
     assert staging.staged_bytes(quiet) == 0 and staging.decide(quiet, 1) == "whole"
     # 14b fills the box: the planner stages as many layers as the rest leaves room for.
@@ -100,12 +100,42 @@ def test_the_staging_area_is_what_the_host_has_room_for():
 
 
 def test_a_refusal_says_when_the_staging_area_is_what_is_missing():
+    """A host with room for everything but one part's copy: the planner stages none (each
+    part written from the state); a staging area set by hand is what does not fit."""
     cfg = load_config("14b")
     gpu = plan.usable_gpu_bytes(141 * GiB)
     quiet = memory.replaced(cfg, "loop", final_checkpoint=False, stop_save=False)
     budget = planner.gpu_budget(quiet, gpu)
     grid = planner._candidates(quiet, budget, 1)
     need = grid["host_total"][grid["device_total"] <= budget - memory.HEADROOM].min()
+    one = memory.replaced(cfg, "stream", save_staging="1")
     with pytest.raises(ConfigError, match="it is the save's staging area .* that does not fit"):
-        plan.check_fits(cfg, need + GiB, gpu)
+        plan.check_fits(one, need + GiB, gpu)
     plan.check_fits(quiet, need + GiB, gpu)
+    plan.check_fits(cfg, need + GiB, gpu)
+    assert plan.resolved(cfg, gpu, need + GiB).stream.save_staging == "0"
+
+
+def test_120b_at_full_precision_fits_one_h200_with_1536_gib_and_a_refusal_names_the_bytes(
+        capsys):
+    """fp32 weights, fp32 AdamW: the moments live beside the pinned pool (none of its 1/32
+    bookkeeping) and the save writes each part from the state itself (no staging copy)."""
+    one = ["--gpu-gb", "141"]
+    assert main(["plan", "120b", "--host-gb", "1536", *one]) == 0
+    out = capsys.readouterr().out
+    host = {k: float(v) for k, v in re.findall(r"^  (\w+) +([\d.]+) GiB$",
+                                               out.split("device:")[0], re.M)}
+    cfg = load_config("120b")
+    assert cfg.optim.state_dtype == "float32" and cfg.optim.name == "adamw"
+    assert host["optimizer_state"] == pytest.approx(8 * 104.4e9 / GiB, rel=0.1)
+    pooled = host["master_weights"] + host["gradients"] + host["saved_inputs"]
+    assert host["pool_bookkeeping"] == pytest.approx((pooled + host["pool_margin"]) / 32,
+                                                     abs=0.01)
+    assert "save_staging" not in host and "stream.save_staging=0" in out
+    assert host["total"] <= 1536 and "host memory: 1536.00 GiB" in out
+    assert main(["plan", "120b", "--host-gb", "1400", *one]) == 1
+    err = capsys.readouterr().err
+    assert f"needs {host['total']:.1f} GiB of host memory" in err and "1400.0 GiB is" in err
+    # Eight H200s hold 52 layers' state: a host of 962 GiB takes the rest.
+    assert main(["plan", "120b", "mesh.data=8", "--host-gb", "962", *one]) == 0
+    assert main(["plan", "120b", "mesh.data=8", "--host-gb", "960", *one]) == 1

@@ -19,7 +19,9 @@ A part is the embedding, a layer or the head, as the streaming engine updates th
 speed). With `parts=K` at most K parts are staged at a time: the writer captures the next part
 once a staged one is written, so a part's update waits for its own capture, and the later
 parts' for the disk: the run of a host without room for a copy is paced by its disk during a
-save, not stopped for it.
+save, not stopped for it. With `parts=0` nothing is staged: the writer reads each part from the
+live state, one part at a time, and the part counts as captured once it is written, so its
+update waits for its write (a host without room for even one part's copy).
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ class Capture:
     def __init__(self, staging: Staging, sources: list, parts: int | None):
         self._staging = staging
         self._groups = _groups(sources)
+        self._live = parts == 0  # nothing staged: written from the live state (the docstring)
         self._slots = None if parts is None else threading.Semaphore(max(1, parts))
         if self._slots is None:
             for group in self._groups:
@@ -187,13 +190,15 @@ class Capture:
         copies complete. Raises what a copy raised."""
         if self._slots is not None:
             self._slots.acquire()
-            self._begin(group)
+            if not self._live:
+                self._begin(group)
         try:
             for copy in group.copies:
                 copy.result()
         finally:
             group.copies.clear()
-            group.captured.set()
+            if not self._live:  # live: the state's own buffers, read until released
+                group.captured.set()
 
     def release(self, group: Group) -> None:
         """`group` is written: its staged copies go (the pool keeps their pinned memory, the
@@ -202,6 +207,7 @@ class Capture:
             source["shards"] = []
         self._staging.give_back(group.lent)
         group.lent = []
+        group.captured.set()  # written: live, its state may change now
         if self._slots is not None:
             self._slots.release()
 

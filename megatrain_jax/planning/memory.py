@@ -5,7 +5,8 @@ embeddings, saved activations and inputs, kept attention and weights), and the h
     acts = activations(cfg)                          # choices and bytes at cfg's batch shape
     plan = PlacementPlan(resident_layers=20, weight_layers=3)
     device = device_bytes(cfg, plan, devices=1)      # {component: bytes} on each GPU
-    host = host_state_bytes(cfg, plan, devices=1)    # {component: bytes} pinned on the host
+    host = host_state_bytes(cfg, plan, devices=1)    # {component: bytes} on the host
+    pool = pooled(cfg, host)                         # those bytes in XLA's pinned pool
 
 Which placement a run takes is the planner's decision (planning/planner.py), made once from
 these bytes and the step's bound. Here, beside the planner and below the trainers, so that
@@ -19,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from megatrain_jax.config import auto
+from megatrain_jax.config import auto, host_update
 from megatrain_jax.config.schema import Config, layer_grad_dtype, pinned
 from megatrain_jax.planning import recompute
 from megatrain_jax.planning.optimizer_state import optimizer_bytes, state_bytes
@@ -200,6 +201,13 @@ def host_state_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict
     }
 
 
+def pooled(cfg: Config, host: dict):
+    """Bytes of the host state `host` (host_state_bytes) in XLA's pinned pool: all but the
+    optimizer state that only the host update reads, which lives in plain host memory
+    (stream/placement.py), beside the pool and its bookkeeping."""
+    return sum(v for k, v in host.items() if k != "optimizer_state" or not host_update(cfg))
+
+
 def resident_embedding_bytes(cfg: Config, devices: int = 1) -> int:
     """GPU bytes of the embedding and the head living there (`stream.resident_embeddings`):
     weights, optimizer state and the step's gradients, each GPU its 1/n."""
@@ -336,13 +344,15 @@ def pool_gib(cfg: Config, pinned, devices: int, extra: int = 0):
     return (pool_share(cfg, pinned, devices) + POOL_MARGIN + extra) // GiB + 1
 
 
-def host_overhead(cfg: Config, pinned, devices: int) -> dict:
-    """Host bytes of a run beyond its `pinned` state (all GPUs'): replicas where leaves do not
-    split, the pool's unfilled margin (each GPU's pinned allocator grows its regions up to
-    its cap, and pinned memory is resident once the state fills most of it), the pool
-    allocator's bookkeeping, and the runtimes. Arrays of `pinned` give arrays."""
+def host_overhead(cfg: Config, pinned, devices: int, plain=0) -> dict:
+    """Host bytes of a run beyond its `pinned` state and its `plain` one (all GPUs'; `pooled`
+    says which is which): replicas where leaves do not split, the pool's unfilled margin
+    (each GPU's pinned allocator grows its regions up to its cap, and pinned memory is
+    resident once the state fills most of it), the pool allocator's bookkeeping, and the
+    runtimes. Arrays of `pinned` give arrays."""
     pool = devices * pool_gib(cfg, pinned, devices) * GiB  # one allocator a GPU
     held = devices * pool_share(cfg, pinned, devices)
-    return {"replicas": held - pinned, "pool_margin": np.maximum(0, pool - held),
+    replicas = held - pinned + devices * pool_share(cfg, plain, devices) - plain
+    return {"replicas": replicas, "pool_margin": np.maximum(0, pool - held),
             "pool_bookkeeping": whole(pool * POOL_BOOKKEEPING),
             "runtime": int(RUNTIME)}

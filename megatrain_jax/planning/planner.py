@@ -121,11 +121,13 @@ def _keeps_pins(cfg: Config, grid: dict):
 
 
 def host_total(cfg: Config, plan: PlacementPlan, devices: int):
-    """Host bytes of a run under `plan` (arrays in its fields give arrays): its pinned state,
-    the run's overhead beside it (memory.host_overhead) and the save's staging area, at
-    least its largest part where the planner sizes it (planning/staging.py)."""
-    pinned_bytes = sum(memory.host_state_bytes(cfg, plan, devices).values())
-    total = pinned_bytes + sum(memory.host_overhead(cfg, pinned_bytes, devices).values())
+    """Host bytes of a run under `plan` (arrays in its fields give arrays): its state (in the
+    pinned pool or beside it: memory.pooled), the run's overhead (memory.host_overhead) and
+    the save's staging area, at least its largest part where the planner sizes it
+    (planning/staging.py)."""
+    host = memory.host_state_bytes(cfg, plan, devices)
+    state, pinned = sum(host.values()), memory.pooled(cfg, host)
+    total = state + sum(memory.host_overhead(cfg, pinned, devices, state - pinned).values())
     return total + staging.staged_bytes(cfg)
 
 

@@ -70,3 +70,12 @@ def planned_devices(cfg) -> int:
     """The GPUs a run uses: mesh.data, or (0) every GPU `gpu_count` finds; 1 without any.
     The plan is per GPU, for one process."""
     return cfg.mesh.data or gpu_count()
+
+
+def set_cpu_devices(devices: int) -> None:
+    """Gives JAX's CPU client `devices` devices (XLA_FLAGS, before JAX starts) where it has
+    fewer: the plain host memory of the optimizer state over a mesh of that many GPUs, a CPU
+    device standing for each (stream/placement.py). A count already given is kept."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if devices > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"

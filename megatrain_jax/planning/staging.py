@@ -3,7 +3,7 @@ writes it to the disk in the background. How much host memory it takes is a plac
 decision, made by the planner within the host budget (`stream.save_staging`):
 
     parts = part_bytes(cfg)              # checkpoint bytes of the embedding, each layer, head
-    decide(cfg, room=40 * GiB)           # "whole" where the room holds them all, else "K"
+    decide(cfg, room=40 * GiB)           # "whole" where the room holds them all, else "K" (0..)
     staging_pinned_bytes(cfg, devices)   # its share in the pinned pool, on each GPU
     cost = save_cost(cfg, machine)       # the stall a save costs the run, the write's time
 
@@ -48,22 +48,23 @@ def checkpoint_bytes(cfg: Config) -> int:
 
 def staged_bytes(cfg: Config, setting: str | None = None) -> int:
     """Host bytes of the staging area at `setting` (cfg's stream.save_staging by default):
-    `whole`, or the K largest parts; none where the run never saves. `auto` counts the
-    least the planner may choose: the largest part."""
+    `whole`, or the K largest parts (none at 0: each part is written from the live state);
+    none where the run never saves. `auto` counts the least the planner may choose: none."""
     setting = cfg.stream.save_staging if setting is None else setting
     if not saves(cfg):
         return 0
     parts = sorted(part_bytes(cfg), reverse=True)
     if setting == "whole":
         return sum(parts)
-    return sum(parts[:pinned(setting) or 1])  # auto: at least one part
+    return sum(parts[:pinned(setting) or 0])
 
 
 def decide(cfg: Config, room: int | None) -> str:
     """stream.save_staging for `room` bytes of host memory left by everything else the plan
     puts there (None: unknown, unbounded): `whole` where they hold a copy of every part,
-    else the digits of as many of the largest parts as fit (at least one: the planner
-    refuses placements that leave less). A setting other than `auto` is kept."""
+    else the digits of as many of the largest parts as fit: 0 where not even one does (each
+    part's update then waits for its write, io/staging.py). A setting other than `auto` is
+    kept."""
     setting = cfg.stream.save_staging
     if setting != "auto":
         return setting
@@ -73,7 +74,7 @@ def decide(cfg: Config, room: int | None) -> str:
     held, k = 0, 0
     while k < len(parts) and held + parts[k] <= room:
         held, k = held + parts[k], k + 1
-    return str(max(k, 1))
+    return str(k)
 
 
 def refusal_note(cfg: Config, short: int) -> str:
@@ -104,8 +105,8 @@ def save_cost(cfg: Config, machine, plan: PlacementPlan | None = None) -> dict:
     resident = _resident_bytes(plan, parts)
     total = sum(parts)
     disk_s = 1 / (machine.disk_write_gbps * 1e9) + 1 / (machine.disk_read_gbps * 1e9)
-    capture = resident / (machine.d2h_gbps * 1e9) \
-        + (total - resident) / (machine.host_copy_gbps * 1e9)
+    capture = (cfg.stream.save_staging != "0") * (  # at 0, nothing: the write is the capture
+        resident / (machine.d2h_gbps * 1e9) + (total - resident) / (machine.host_copy_gbps * 1e9))
     waiting = max(0, total - staged_bytes(cfg))  # parts beyond the staging area's room
     return {"staged": staged_bytes(cfg), "checkpoint": total, "stall": capture + waiting * disk_s,
             "write": total * disk_s}
@@ -117,7 +118,8 @@ def save_line(cfg: Config, machine, step_s: float) -> str:
         return ("save: none (loop.final_checkpoint=false, loop.stop_save=false, "
                 "loop.checkpoint_every=0): no staging area")
     cost, setting = save_cost(cfg, machine), cfg.stream.save_staging
-    what = "a copy of every part" if setting == "whole" else f"the {setting} largest parts"
+    what = {"whole": "a copy of every part", "0": "none: each part is written from the live "
+            "state, its update waiting for the write"}.get(setting, f"the {setting} largest parts")
     line = (f"save: staging {cost['staged'] / GiB:.2f} GiB of host memory "
             f"(stream.save_staging={setting}: {what}; the checkpoint "
             f"{cost['checkpoint'] / GiB:.2f} GiB); "

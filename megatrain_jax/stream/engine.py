@@ -109,14 +109,18 @@ class StreamEngine:
                  resident_layers: int = 0, speculate: str = "auto", speculate_share: float = 1.0,
                  mesh: Mesh | None = None, keep_attention: int = 0, keep_layers: int = 0,
                  keep_weights: int = 0, resident_embeddings: bool = False,
-                 recompute_inputs: int = 0):
+                 recompute_inputs: int = 0, plain_state: bool = True):
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, got {speculate!r}")
         if not 0 < speculate_share <= 1:
             raise ValueError(f"speculate_share must be within (0, 1], got {speculate_share}")
         self.speculate_share = speculate_share
-        self.placement = Placement(resident_layers, device, saved_inputs, mesh,
-                                   resident_embeddings)
+        # A HostAdamW updates in place on the host (the state it alone reads needs no pinned
+        # memory: placement.py's plain_state); any other transformation on the device.
+        self.host_optimizer = optimizer if isinstance(optimizer, HostAdamW) else None
+        self.optimizer = optimizer.optax if self.host_optimizer else optimizer
+        self.placement = Placement(resident_layers, device, saved_inputs, mesh, resident_embeddings,
+                                   plain_state and self.host_optimizer is not None)
         if keep_attention and templates.layer_keeping is None:
             raise ValueError("keep_attention needs templates with layer_keeping and "
                              "layer_replaying; these have none: set keep_attention=0")
@@ -132,9 +136,6 @@ class StreamEngine:
             templates = shard_templates(templates, self.placement.mesh)
         self.templates = templates
         self.clip_norm, self.speculate = clip_norm, speculate
-        # A HostAdamW updates in place on the host; any other transformation on the device.
-        self.host_optimizer = optimizer if isinstance(optimizer, HostAdamW) else None
-        self.optimizer = optimizer.optax if self.host_optimizer else optimizer
         if speculate == "on" and self.host_optimizer and not self.host_optimizer.can_undo:
             raise ValueError(f"speculate='on' needs an exact undo, which "
                              f"{self.host_optimizer.state_dtype} moments do not allow")

@@ -9,6 +9,10 @@ builds the state in place part by part, and gives the abstract shapes (with shar
 a checkpoint restores into. No other module names a memory kind; tests grep the package for
 it.
 
+No transfer reads the optimizer state of a host part that only the host update (`HostAdamW`)
+writes: with `plain_state` it lives in plain host memory, JAX's CPU client's, outside XLA's
+pinned pool and its bookkeeping (1/32 of the pool), split as the weights are (`state_home`).
+
     placement = Placement(resident_layers=2, resident_embeddings=True)
     params = placement.init_params(init_embed, init_layer, init_head, num_layers=32)
     opt_state = placement.init_opt_state(optimizer.init, params)
@@ -24,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from megatrain_jax.stream.mesh import MICRO_ROWS, state_spec
+from megatrain_jax.stream.mesh import MICRO_ROWS, cpu_stand_ins, state_spec
 
 HOST_KIND = "pinned_host"
 DEVICE_KIND = "device"
+PLAIN_KIND = "unpinned_host"  # on the CPU client's devices: the host's memory, not XLA's pool
 
 
 def part_names(num_layers: int) -> list[str]:
@@ -80,7 +85,7 @@ class Placement:
 
     def __init__(self, resident_layers: int = 0, device: jax.Device | None = None,
                  saved_inputs: str | int = DEVICE_KIND, mesh: Mesh | None = None,
-                 resident_embeddings: bool = False):
+                 resident_embeddings: bool = False, plain_state: bool = False):
         if resident_layers < 0:
             raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
         if saved_inputs not in (DEVICE_KIND, HOST_KIND) and not (
@@ -97,14 +102,19 @@ class Placement:
         self.devices = 1 if self.mesh is None else self.mesh.size
         self.device = (self.mesh.devices.flat[0] if self.mesh is not None
                        else device or jax.devices()[0])
+        self.plain_devices = cpu_stand_ins(self.mesh, self.device) if plain_state else None
 
     # ----- shardings -----------------------------------------------------------------------
 
     def sharding(self, shape: tuple, kind: str = HOST_KIND) -> Sharding:
-        """Where a state leaf of `shape` lives in memory `kind` (each device's shard of it)."""
+        """Where a state leaf of `shape` lives in memory `kind` (each device's shard of it; in
+        PLAIN_KIND on the CPU devices standing for the GPUs, stream/mesh.cpu_stand_ins)."""
+        devices = self.plain_devices if kind == PLAIN_KIND else None
         if self.mesh is None:
-            return SingleDeviceSharding(self.device, memory_kind=kind)
-        return NamedSharding(self.mesh, state_spec(tuple(shape), self.devices), memory_kind=kind)
+            return SingleDeviceSharding(devices[0] if devices else self.device, memory_kind=kind)
+        mesh = self.mesh if devices is None else Mesh(
+            np.array(devices).reshape(self.mesh.devices.shape), self.mesh.axis_names)
+        return NamedSharding(mesh, state_spec(tuple(shape), self.devices), memory_kind=kind)
 
     def shardings(self, tree, kind: str = HOST_KIND):
         return jax.tree.map(lambda a: self.sharding(jnp.shape(a), kind), tree)
@@ -146,6 +156,12 @@ class Placement:
     def home(self, index: int) -> str:
         """The memory kind of the part at streaming `index`."""
         return DEVICE_KIND if self.is_resident(index) else HOST_KIND
+
+    def state_home(self, index: int) -> str:
+        """The memory kind of the optimizer state of the part at streaming `index`: the part's,
+        or PLAIN_KIND for a host part with `plain_state` (its CPU stand-ins found)."""
+        plain = self.plain_devices is not None and not self.is_resident(index)
+        return PLAIN_KIND if plain else self.home(index)
 
     def check(self, num_layers: int) -> None:
         """Takes the model's layer count, refusing more resident layers than it has."""
@@ -269,12 +285,19 @@ class Placement:
 
     def init_opt_state(self, opt_init: Callable, params: dict,
                        on_part: Callable | None = None) -> dict:
-        """Optax state of each part, created on the device and stored in the part's home;
+        """Optax state of each part, created on the device and stored in its `state_home`
+        (in PLAIN_KIND made on the CPU: none of it passes through the pinned pool);
         `on_part(what)` as in init_params ("layer 3 optimizer state")."""
         on_host, on_device = self.host_jit(opt_init), self.device_jit(opt_init)
         names = part_names(len(params["layers"]))
-        return from_parts([_landed(on_device(p) if self.is_resident(k) else on_host(p),
-                                   on_part, f"{names[k]} optimizer state")
+
+        def init(k, p):
+            if self.state_home(k) != PLAIN_KIND:
+                return on_device(p) if self.is_resident(k) else on_host(p)
+            plain = self.shardings(jax.eval_shape(opt_init, p), PLAIN_KIND)
+            return jax.jit(opt_init, out_shardings=plain)(self.place(p, PLAIN_KIND, copy=True))
+
+        return from_parts([_landed(init(k, p), on_part, f"{names[k]} optimizer state")
                            for k, p in enumerate(parts(params))])
 
     def abstract_state(self, abstract_params: dict, opt_init: Callable) -> dict:
@@ -282,7 +305,8 @@ class Placement:
         target. Checkpoints do not depend on the homes: any placement restores any."""
         self.check(len(abstract_params["layers"]))
         opt_state = map_parts(lambda p: jax.eval_shape(opt_init, p), abstract_params)
-        return {name: from_parts([placed_shapes(part, self.shardings(part, self.home(k)))
+        homes = {"params": self.home, "opt_state": self.state_home}
+        return {name: from_parts([placed_shapes(part, self.shardings(part, homes[name](k)))
                                   for k, part in enumerate(parts(tree))])
                 for name, tree in (("params", abstract_params), ("opt_state", opt_state))}
 

@@ -25,7 +25,7 @@ from megatrain_jax.config import (
     load_config,
     shipped_configs,
 )
-from megatrain_jax.planning import device_update, memory, planner, presets, staging
+from megatrain_jax.planning import device_update, memory, planner, presets, probe, staging
 from megatrain_jax.planning.memory import replaced
 from megatrain_jax.planning.probe import (
     gpu_memory_bytes,
@@ -38,7 +38,7 @@ from megatrain_jax.planning.staging import checkpoint_bytes, staging_pinned_byte
 
 GiB = 2**30
 RUNTIME, POOL_BOOKKEEPING, POOL_MARGIN = memory.RUNTIME, memory.POOL_BOOKKEEPING, memory.POOL_MARGIN
-PINNED = ("master_weights", "optimizer_state", "gradients", "saved_inputs")
+STATE = ("master_weights", "optimizer_state", "gradients", "saved_inputs")
 
 
 def resolved(cfg: Config, gpu: int | None = None, host: int | None = None,
@@ -121,12 +121,12 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
         refused = str(e)
         gpu = usable_gpu_bytes(gpu_memory_bytes()) if gpu is None else gpu
         closest = planner.closest(cfg, planner.gpu_budget(cfg, gpu), n)
-        run = planner.pinned_config(cfg, closest, "1")  # the least staging area, as refused
+        run = planner.pinned_config(cfg, closest, "0")  # the least staging area, as refused
     plan = memory.plan_of(run)
     device = memory.device_bytes(run, plan, n)
     host = memory.host_state_bytes(run, plan, n)
-    pinned = sum(host[name] for name in PINNED)
-    overhead = memory.host_overhead(run, pinned, n)
+    pinned = memory.pooled(run, host)
+    overhead = memory.host_overhead(run, pinned, n, sum(host.values()) - pinned)
     if overhead["replicas"] <= 0:
         del overhead["replicas"]
     host.update(overhead)
@@ -196,8 +196,8 @@ def pinned_pool_bytes(cfg: Config, measuring: bool = False) -> int:
 
 
 def pinned_bytes(cfg: Config) -> int:
-    """Bytes of the host state the pool holds (PINNED: weights, optimizer state, gradients,
-    saved inputs on the host) for a resolved cfg."""
+    """Bytes of the host state the pool holds (memory.pooled: weights, gradients, saved inputs
+    on the host, and the optimizer state where the GPU updates it) for a resolved cfg."""
     return estimate(cfg)["pool_state"]
 
 
@@ -334,12 +334,17 @@ def _state_overflows(cfg: Config, host: int | None, gpu: int | None) -> bool:
     return checkpoint_bytes(cfg) > planned_devices(cfg) * (host + gpu)
 
 
-def set_pool_env(cfg: Config, measuring: bool = False) -> None:
+def set_pool_env(cfg: Config, measuring: bool = False, processes: int = 1) -> None:
     """Sizes XLA's pinned host pool (the host state and a save's capture of the GPU's) and the
-    GPU's share for a resolved cfg before JAX starts; a value in the environment wins."""
-    devices = planned_devices(cfg)
+    GPU's share for a resolved cfg before JAX starts; a value in the environment wins. The
+    optimizer state only the host update reads lives beside the pool, on a CPU device a GPU
+    (stream/placement.py): one process makes a CPU device for each; several keep it pinned."""
+    devices, est = planned_devices(cfg), estimate(cfg)
     saving = planner.is_resolved(cfg)  # else no run: export and sample save nothing
-    held = pinned_bytes(cfg) + devices * (staging_pinned_bytes(cfg, devices) if saving else 0)
+    held = est["pool_state"] + devices * (staging_pinned_bytes(cfg, devices) if saving else 0)
+    if processes > 1:
+        held += sum(est["host"][k] for k in STATE) - est["pool_state"]
+    probe.set_cpu_devices(devices if processes == 1 else 1)
     os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
                           str(pool_limit_gib(cfg, held, measuring)))
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_FRACTION))

@@ -64,8 +64,10 @@ def _print_memory(given, cfg, est: dict, gpu: int | None, host: int | None) -> N
         print(f"  {'total':22s}{_gib(est[where + '_total'])}")
     if cfg.loop.trainer == "stream":
         cap = plan.pool_limit_gib(cfg, est["pool_state"])
+        held = ("above but the optimizer_state, in plain host memory" if plan.host_update(cfg)
+                else "above")
         print(f"  pinned host pool      {_gib(plan.pinned_pool_bytes(cfg))}  (holds the host "
-              f"state above; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={cap} a GPU, set by `train`)")
+              f"state {held}; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={cap} a GPU, set by `train`)")
         modes = plan.host_bytes_per_param(given, gpu, host)  # each placed anew
         if len(modes) > 1:
             print("host bytes per parameter by optim.state_dtype (with these gradients and "

@@ -68,7 +68,11 @@ def main() -> None:
 
     cfg = load_config(args.config, args.overrides)
     sizes = [int(b) for b in args.sweep.split(",") if b] or [cfg.data.batch_size]
-    cfg = load_config(args.config, [*args.overrides, f"data.batch_size={max(sizes)}"])
+    # It never saves: planned, and its pinned pool capped, as `train` does a run that does not
+    # (a cap raised for a save's capture lets the pool's doubling regions grow past the plan).
+    cfg = load_config(args.config, [*args.overrides, f"data.batch_size={max(sizes)}",
+                                    "loop.final_checkpoint=false", "loop.stop_save=false",
+                                    "loop.checkpoint_every=0"])
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     cfg = plan.resolved(cfg)  # the placement, as `megatrain-jax train` decides it
     plan.set_pool_env(cfg, measuring=not args.no_roofline)

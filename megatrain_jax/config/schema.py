@@ -193,6 +193,9 @@ class StreamConfig:
     # (embedding, layers, head) at a time, each part's update waiting for its own capture
     # only, or auto (the planner: whole where the host has room).
     save_staging: str = "auto"
+    # The optimizer state of the parts the host updates (AdamW's kernel alone reads it) in
+    # plain host memory, outside XLA's pinned pool and its bookkeeping; false: in the pool.
+    plain_optimizer_state: bool = True
 
 
 @dataclass(frozen=True)

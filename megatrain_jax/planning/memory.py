@@ -6,7 +6,6 @@ embeddings, saved activations and inputs, kept attention and weights), and the h
     plan = PlacementPlan(resident_layers=20, weight_layers=3)
     device = device_bytes(cfg, plan, devices=1)      # {component: bytes} on each GPU
     host = host_state_bytes(cfg, plan, devices=1)    # {component: bytes} on the host
-    pool = pooled(cfg, host)                         # those bytes in XLA's pinned pool
 
 Which placement a run takes is the planner's decision (planning/planner.py), made once from
 these bytes and the step's bound. Here, beside the planner and below the trainers, so that
@@ -20,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from megatrain_jax.config import auto, host_update
+from megatrain_jax.config import auto
 from megatrain_jax.config.schema import Config, layer_grad_dtype, pinned
 from megatrain_jax.planning import recompute
 from megatrain_jax.planning.optimizer_state import optimizer_bytes, state_bytes
@@ -201,13 +200,6 @@ def host_state_bytes(cfg: Config, plan: PlacementPlan, devices: int = 1) -> dict
     }
 
 
-def pooled(cfg: Config, host: dict):
-    """Bytes of the host state `host` (host_state_bytes) in XLA's pinned pool: all but the
-    optimizer state that only the host update reads, which lives in plain host memory
-    (stream/placement.py), beside the pool and its bookkeeping."""
-    return sum(v for k, v in host.items() if k != "optimizer_state" or not host_update(cfg))
-
-
 def resident_embedding_bytes(cfg: Config, devices: int = 1) -> int:
     """GPU bytes of the embedding and the head living there (`stream.resident_embeddings`):
     weights, optimizer state and the step's gradients, each GPU its 1/n."""
@@ -314,45 +306,3 @@ def inputs_saved(cfg: Config, plan: PlacementPlan) -> int:
     """How many layers save their input for the backward's recompute: all but the saving
     layers, which keep their matmuls' outputs, and those that recompute their input."""
     return cfg.model.layers - plan.saving_layers - plan.recomputed_inputs
-
-
-
-# Host memory of a streamed run beyond its pinned pool: the JAX, CUDA and XLA runtimes, their
-# libraries, the trainer's own arrays (measured 1.7 and 2.2 GiB at 1b and 7b on an H100).
-RUNTIME = 2.5 * GiB
-# XLA's pinned host allocator (a BFC allocator) keeps one 8-byte chunk handle for every 256
-# bytes of its regions, in the process's heap: 1/32 of the pool (3.2 GiB beside 7b's 103 GiB,
-# measured 3.7 GiB of glibc's large mappings).
-POOL_BOOKKEEPING = 1 / 32
-POOL_MARGIN = 2 * GiB  # pinned bytes beyond the state: transfers' staging, rounding
-
-
-def pool_share(cfg: Config, pinned, devices: int):
-    """The bytes of `pinned` bytes of host state that each of n GPUs holds: 1/n where the
-    state's leaves split over them (stream/mesh.py splits a leaf along a dimension n divides,
-    and every weight matrix has the model's width as one; leaves too small to split fit in
-    the margin), else the whole (a replica each)."""
-    return pinned // devices if cfg.model.hidden % devices == 0 else pinned
-
-
-def pool_gib(cfg: Config, pinned, devices: int, extra: int = 0):
-    """Each GPU's pool cap in whole GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) for `pinned` bytes
-    of host state over `devices` GPUs: its share, the margin and `extra`, rounded up; or
-    stream.host_memory_gb where it is set."""
-    if cfg.stream.host_memory_gb:
-        return int(cfg.stream.host_memory_gb * GiB) // GiB + 1
-    return (pool_share(cfg, pinned, devices) + POOL_MARGIN + extra) // GiB + 1
-
-
-def host_overhead(cfg: Config, pinned, devices: int, plain=0) -> dict:
-    """Host bytes of a run beyond its `pinned` state and its `plain` one (all GPUs'; `pooled`
-    says which is which): replicas where leaves do not split, the pool's unfilled margin
-    (each GPU's pinned allocator grows its regions up to its cap, and pinned memory is
-    resident once the state fills most of it), the pool allocator's bookkeeping, and the
-    runtimes. Arrays of `pinned` give arrays."""
-    pool = devices * pool_gib(cfg, pinned, devices) * GiB  # one allocator a GPU
-    held = devices * pool_share(cfg, pinned, devices)
-    replicas = held - pinned + devices * pool_share(cfg, plain, devices) - plain
-    return {"replicas": replicas, "pool_margin": np.maximum(0, pool - held),
-            "pool_bookkeeping": whole(pool * POOL_BOOKKEEPING),
-            "runtime": int(RUNTIME)}

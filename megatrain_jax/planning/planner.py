@@ -40,7 +40,7 @@ import numpy as np
 
 from megatrain_jax.config import HOST_OPTIMIZERS, Config, ConfigError, auto
 from megatrain_jax.config.schema import pinned
-from megatrain_jax.planning import memory, presets, recompute, roofline, staging
+from megatrain_jax.planning import memory, pool, presets, recompute, roofline, staging
 from megatrain_jax.planning.bisection import least, most
 from megatrain_jax.planning.memory import HEADROOM, PlacementPlan
 
@@ -122,12 +122,12 @@ def _keeps_pins(cfg: Config, grid: dict):
 
 def host_total(cfg: Config, plan: PlacementPlan, devices: int):
     """Host bytes of a run under `plan` (arrays in its fields give arrays): its state (in the
-    pinned pool or beside it: memory.pooled), the run's overhead (memory.host_overhead) and
+    pinned pool or beside it: pool.pooled), the run's overhead (pool.host_overhead) and
     the save's staging area, at least its largest part where the planner sizes it
     (planning/staging.py)."""
     host = memory.host_state_bytes(cfg, plan, devices)
-    state, pinned = sum(host.values()), memory.pooled(cfg, host)
-    total = state + sum(memory.host_overhead(cfg, pinned, devices, state - pinned).values())
+    state, pinned = sum(host.values()), pool.pooled(cfg, host)
+    total = state + sum(pool.host_overhead(cfg, pinned, devices, state - pinned).values())
     return total + staging.staged_bytes(cfg)
 
 

@@ -12,8 +12,7 @@ the next step: the next forward waits for a part's update only when it fetches t
 With any other Optax transformation it runs as one compiled program per part that streams
 the state through the device, at the end of the step. The first `resident_layers` layers
 live in GPU memory (placement.py), and with `resident_embeddings` the embedding and the head,
-and are updated there by donation, beside the host update.
-The last `keep_attention` layers' forward keeps what their backward's recompute then takes
+and are updated there by donation, beside the host update. The last `keep_attention` layers' forward keeps what their backward's recompute then takes
 instead of computing it again (Templates.layer_keeping: the attention's output, on the GPU).
 The last `keep_layers` layers' forward keeps its matmuls' outputs on the GPU: their backward
 fetches no weights and recomputes only the rest of the layer (programs.layer_saving). The
@@ -115,8 +114,8 @@ class StreamEngine:
         if not 0 < speculate_share <= 1:
             raise ValueError(f"speculate_share must be within (0, 1], got {speculate_share}")
         self.speculate_share = speculate_share
-        # A HostAdamW updates in place on the host (the state it alone reads needs no pinned
-        # memory: placement.py's plain_state); any other transformation on the device.
+        # A HostAdamW updates in place on the host (the state only it reads in plain memory:
+        # placement.py's plain_state); any other transformation on the device.
         self.host_optimizer = optimizer if isinstance(optimizer, HostAdamW) else None
         self.optimizer = optimizer.optax if self.host_optimizer else optimizer
         self.placement = Placement(resident_layers, device, saved_inputs, mesh, resident_embeddings,

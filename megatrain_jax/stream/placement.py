@@ -6,10 +6,8 @@ A model's state is split into parts, in streaming order: `embed`, `layer 0` … 
 `resident_layers` layers and with `resident_embeddings` the embedding and the head, GPU
 memory for the whole run. `Placement` answers which, moves trees between the two kinds,
 builds the state in place part by part, and gives the abstract shapes (with shardings) that
-a checkpoint restores into. No other module names a memory kind; tests grep the package for
-it.
-
-No transfer reads the optimizer state of a host part that only the host update (`HostAdamW`)
+a checkpoint restores into. No other module names a memory kind (tests grep for one). No
+transfer reads the optimizer state of a host part that only the host update (`HostAdamW`)
 writes: with `plain_state` it lives in plain host memory, JAX's CPU client's, outside XLA's
 pinned pool and its bookkeeping (1/32 of the pool), split as the weights are (`state_home`).
 

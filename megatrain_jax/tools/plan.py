@@ -25,8 +25,8 @@ from megatrain_jax.config import (
     load_config,
     shipped_configs,
 )
-from megatrain_jax.planning import device_update, memory, planner, presets, probe, staging
-from megatrain_jax.planning.memory import replaced
+from megatrain_jax.planning import device_update, memory, planner, pool, presets, probe, staging
+from megatrain_jax.planning.memory import GiB, replaced
 from megatrain_jax.planning.probe import (
     gpu_memory_bytes,
     gpu_name,
@@ -36,8 +36,7 @@ from megatrain_jax.planning.probe import (
 from megatrain_jax.planning.roofline import Rates, gradient_bytes, host_params, update_bytes
 from megatrain_jax.planning.staging import checkpoint_bytes, staging_pinned_bytes
 
-GiB = 2**30
-RUNTIME, POOL_BOOKKEEPING, POOL_MARGIN = memory.RUNTIME, memory.POOL_BOOKKEEPING, memory.POOL_MARGIN
+RUNTIME, POOL_BOOKKEEPING, POOL_MARGIN = pool.RUNTIME, pool.POOL_BOOKKEEPING, pool.POOL_MARGIN
 STATE = ("master_weights", "optimizer_state", "gradients", "saved_inputs")
 
 
@@ -125,8 +124,8 @@ def estimate(cfg: Config, gpu: int | None = None, host: int | None = None,
     plan = memory.plan_of(run)
     device = memory.device_bytes(run, plan, n)
     host = memory.host_state_bytes(run, plan, n)
-    pinned = memory.pooled(run, host)
-    overhead = memory.host_overhead(run, pinned, n, sum(host.values()) - pinned)
+    pinned = pool.pooled(run, host)
+    overhead = pool.host_overhead(run, pinned, n, sum(host.values()) - pinned)
     if overhead["replicas"] <= 0:
         del overhead["replicas"]
     host.update(overhead)
@@ -196,7 +195,7 @@ def pinned_pool_bytes(cfg: Config, measuring: bool = False) -> int:
 
 
 def pinned_bytes(cfg: Config) -> int:
-    """Bytes of the host state the pool holds (memory.pooled: weights, gradients, saved inputs
+    """Bytes of the host state the pool holds (pool.pooled: weights, gradients, saved inputs
     on the host, and the optimizer state where the GPU updates it) for a resolved cfg."""
     return estimate(cfg)["pool_state"]
 
@@ -205,7 +204,7 @@ def pool_limit_gib(cfg: Config, pinned: int, measuring: bool = False) -> int:
     """Each GPU's pool cap in whole GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) for `pinned`
     bytes of host state over the run's GPUs: its share and margin, rounded up."""
     extra = measurement_bytes(cfg) if measuring else 0
-    return memory.pool_gib(cfg, pinned, planned_devices(cfg), extra)
+    return pool.pool_gib(cfg, pinned, planned_devices(cfg), extra)
 
 
 # The roofline's measurement (`plan --measure`, bench_step) times the link on pinned copies of

@@ -87,6 +87,7 @@ class StreamTrainer:
             mesh=mesh, keep_attention=plan.attention_layers, keep_layers=plan.saving_layers,
             keep_weights=plan.weight_layers, resident_embeddings=plan.resident_embeddings,
             recompute_inputs=plan.recomputed_inputs,
+            plain_state=cfg.stream.plain_optimizer_state,
         )
         self.train_step = self.engine.train_step
         self.put_params = self.engine.placement.place  # where imported parameters go

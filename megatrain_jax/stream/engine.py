@@ -9,16 +9,17 @@ One training step, for a model of L layers split into `micro_batches` M:
 The update has two homes. With a `HostAdamW` optimizer it runs on a host thread, in place on
 the pinned buffers, part by part in streaming order (updates.py), while the GPU already runs
 the next step: the next forward waits for a part's update only when it fetches that part.
-With any other Optax transformation it runs as one compiled program per part that streams
-the state through the device, at the end of the step. The first `resident_layers` layers
-live in GPU memory (placement.py), and with `resident_embeddings` the embedding and the head,
-and are updated there by donation, beside the host update. The last `keep_attention` layers' forward keeps what their backward's recompute then takes
-instead of computing it again (Templates.layer_keeping: the attention's output, on the GPU).
-The last `keep_layers` layers' forward keeps its matmuls' outputs on the GPU: their backward
-fetches no weights and recomputes only the rest of the layer (programs.layer_saving). The
-`keep_weights` streamed layers before them keep the weights their forward fetched (over a
-mesh each device its shard), and their backward takes those instead of fetching them again.
-`recompute_inputs` layers save no input: the backward runs their forward again (schedule.py).
+With any other Optax transformation it runs as one compiled program per part that streams the
+state through the device, at the end of the step. The first `resident_layers` layers live in
+GPU memory (placement.py), and with `resident_embeddings` the embedding and the head, and are
+updated there by donation, beside the host update. The last `keep_attention` layers' forward
+keeps what their backward's recompute then takes instead of computing it again
+(Templates.layer_keeping: the attention's output, on the GPU). The last `keep_layers` layers'
+forward keeps its matmuls' outputs on the GPU: their backward fetches no weights and recomputes
+only the rest of the layer (programs.layer_saving). The `keep_weights` streamed layers before
+them keep the weights their forward fetched (over a mesh each device its shard), and their
+backward takes those instead of fetching them again. `recompute_inputs` layers save no input:
+the backward runs their forward again (schedule.py).
 
     engine = StreamEngine(templates, optimizer, clip_norm=1.0)
     state = engine.init_state(init_embed, init_layer, init_head, num_layers)
@@ -94,10 +95,9 @@ class StreamEngine:
     by streaming it through the device one part at a time.
 
     It owns the step's compiled programs (programs.py), the placement of every part
-    (placement.py) and the schedule that dispatches them (schedule.py); `train_step` runs
-    one step and starts its update: on a host thread with a `HostAdamW` (updates.py, and
-    during the backward where speculation.py allows), else on the device. It holds no
-    training state: that is the `StreamState` passed in and returned.
+    (placement.py) and the schedule that dispatches them (schedule.py); `train_step` runs one
+    step and starts its update: on a host thread with a `HostAdamW` (updates.py, and during
+    the backward where speculation.py allows), else on the device. It holds no training state.
     """
 
     def __init__(self, templates: Templates,

@@ -26,9 +26,11 @@ def pooled(cfg: Config, host: dict):
 
 
 
-# Host memory of a streamed run beyond its pinned pool: the JAX, CUDA and XLA runtimes, their
-# libraries, the trainer's own arrays (measured 1.7 and 2.2 GiB at 1b and 7b on an H100).
-RUNTIME = 2.5 * GiB
+# Host memory of a streamed run beyond its state and its pinned pool: the JAX, CUDA and XLA
+# runtimes, their libraries, compiled programs, the trainer's own arrays. Measured on the H200
+# (jax 0.11.2) as the resident memory outside the pool less the pool's bookkeeping: 5.30, 5.38
+# and 5.41 GiB at 3b, 7b and 14b (benchmarks/RESULTS.md, "The planner against a run").
+RUNTIME = 5.4 * GiB
 # XLA's pinned host allocator (a BFC allocator) keeps one 8-byte chunk handle for every 256
 # bytes of its regions, in the process's heap: 1/32 of the pool (3.2 GiB beside 7b's 103 GiB,
 # measured 3.7 GiB of glibc's large mappings).

@@ -89,7 +89,8 @@ def _print_placement(given, cfg, est: dict, gpu, rates, source: str, measured) -
     print(f"rates ({source}): H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, "
           f"optimizer {rates.optimizer_gparams:.2f} G params/s, host memory "
           f"{rates.host_memory_gbps:.0f} GB/s, layer forward+backward "
-          f"{(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms")
+          f"{(rates.layer_forward_s + rates.layer_backward_s) * 1e3:.1f} ms"
+          + (" with FP8 projections" if cfg.model.fp8_matmuls else ""))
     if b["newton_schulz_s"]:
         print(f"Newton–Schulz: {b['newton_schulz_s']:.3f} s a step on the GPU after the "
               "backward, every layer's matrices, resident or streamed (in the bound)")

@@ -97,6 +97,7 @@ class Staging:
 
     def _reserve(self, device: list, host: list, lent: bool) -> None:
         import jax
+        from jax.sharding import SingleDeviceSharding
 
         from megatrain_jax.stream.placement import HOST_KIND
 
@@ -107,9 +108,14 @@ class Staging:
         if lent:  # given back together: the parts' captures hold them at once
             self.give_back(buffers)
         held = []  # all at once: the pool must hold them together, as a save's capture does
-        for shape, dtype, sharding in device:  # host to pinned host: no GPU memory taken
-            pinned = sharding.with_memory_kind(HOST_KIND)
-            held.append(jax.device_put(np.zeros(shape, dtype), pinned))
+        for shape, dtype, sharding in device:
+            # Host to pinned host (no GPU memory taken), this process's shards one by one: a
+            # device_put to a sharding over several processes checks its value across them,
+            # a collective that this thread must not start beside the training's.
+            block = sharding.shard_shape(shape)
+            for target in sharding.addressable_devices:
+                one = SingleDeviceSharding(target, memory_kind=HOST_KIND)
+                held.append(jax.device_put(np.zeros(block, dtype), one))
         jax.block_until_ready(held)
 
     def close(self) -> None:

@@ -114,7 +114,7 @@ class Staging:
             # a collective that this thread must not start beside the training's.
             block = sharding.shard_shape(shape)
             for target in sharding.addressable_devices:
-                one = SingleDeviceSharding(target, memory_kind=HOST_KIND)
+                one = SingleDeviceSharding(target).with_memory_kind(HOST_KIND)
                 held.append(jax.device_put(np.zeros(block, dtype), one))
         jax.block_until_ready(held)
 

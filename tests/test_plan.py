@@ -651,6 +651,24 @@ def test_the_bound_over_a_mesh_counts_fp32_gradients():
         one_cfg) + 24))
 
 
+def test_a_run_whose_state_is_all_on_the_gpu_counts_no_pinned_pool():
+    """3b at the whole H200 keeps every layer, the embedding and the head on the GPU: its
+    pinned pool holds nothing and never grows (a run's RSS measured 5.6 GiB, about the
+    runtime alone), so the plan counts neither its margin nor its bookkeeping. 7b's does."""
+    cfg = load_config("3b")
+    def on_h200(cfg):
+        return plan.estimate(cfg, plan.usable_gpu_bytes(141 * GiB), 125 * GiB,
+                             presets.PRESETS["H200"].rates(cfg, 1))
+
+    all_on_gpu = on_h200(cfg)
+    assert all_on_gpu["pool_state"] == 0
+    assert all_on_gpu["host"]["pool_margin"] == all_on_gpu["host"]["pool_bookkeeping"] == 0
+    assert all_on_gpu["host_total"] - all_on_gpu["host"]["save_staging"] == int(plan.RUNTIME)
+    some_on_host = on_h200(load_config("7b"))
+    assert some_on_host["pool_state"] > 0 and some_on_host["host"]["pool_margin"] > 0
+    assert some_on_host["host"]["pool_bookkeeping"] > 0
+
+
 def test_a_mesh_that_does_not_divide_the_width_holds_the_state_on_every_gpu():
     """mesh.data=3 with a width of 4096: no weight matrix splits, so each GPU's pool holds the
     whole state, and the plan says so rather than hiding it in the margin."""

@@ -60,8 +60,10 @@ def host_overhead(cfg: Config, pinned, devices: int, plain=0) -> dict:
     says which is which): replicas where leaves do not split, the pool's unfilled margin
     (each GPU's pinned allocator grows its regions up to its cap, and pinned memory is
     resident once the state fills most of it), the pool allocator's bookkeeping, and the
-    runtimes. Arrays of `pinned` give arrays."""
+    runtimes. A run whose pool holds no state (all of it on the GPU, or in plain memory)
+    never grows that pool: no margin, no bookkeeping. Arrays of `pinned` give arrays."""
     pool = devices * pool_gib(cfg, pinned, devices) * GiB  # one allocator a GPU
+    pool = pool * (np.asarray(pinned) > 0)
     held = devices * pool_share(cfg, pinned, devices)
     replicas = held - pinned + devices * pool_share(cfg, plain, devices) - plain
     return {"replicas": replicas, "pool_margin": np.maximum(0, pool - held),

@@ -12,7 +12,7 @@ import pytest
 
 from megatrain_jax.cli import main
 from megatrain_jax.config import ConfigError, load_config, shipped_configs
-from megatrain_jax.planning import memory, planner, presets, roofline
+from megatrain_jax.planning import memory, planner, presets, roofline, staging
 from megatrain_jax.planning.memory_lines import placement_lines
 from megatrain_jax.tools import measure, plan
 
@@ -649,6 +649,24 @@ def test_the_bound_over_a_mesh_counts_fp32_gradients():
     host = lambda b: b["host_memory_forward_s"] + b["host_memory_backward_s"]  # noqa: E731
     assert host(two) == pytest.approx(host(one) * 40.0 / (8 + 2 * roofline.gradient_bytes(
         one_cfg) + 24))
+
+
+def test_plan_prints_the_pinned_pool_cap_that_train_sets(capsys, monkeypatch):
+    """A run that saves pins its save's staging in the same pool: the cap `plan` prints is the
+    one `train` sets before JAX starts (set_pool_env), staging included."""
+    for name in ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.delenv(name, raising=False)
+    budgets = ["--host-gb", "125", "--gpu-gb", "141"]
+    assert main(["plan", "7b", "loop.checkpoint_every=100", *budgets]) == 0
+    printed = re.search(r"pinned host pool +([\d.]+) GiB .*and the save's staging; "
+                        r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=(\d+) a GPU", capsys.readouterr().out)
+    cfg = plan.resolved(load_config("7b", ["loop.checkpoint_every=100"]),
+                        plan.usable_gpu_bytes(141 * GiB), 125 * GiB)
+    plan.set_pool_env(cfg)
+    cap = int(os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"])
+    assert int(printed.group(2)) == cap and float(printed.group(1)) == cap
+    captured = staging.staging_pinned_bytes(cfg, 1)  # the GPU's arrays' pinned copies
+    assert captured > 50 * GiB and cap * GiB > plan.estimate(cfg)["pool_state"] + captured
 
 
 def test_a_run_whose_state_is_all_on_the_gpu_counts_no_pinned_pool():

@@ -15,6 +15,7 @@ import numpy as np
 from megatrain_jax.config import host_update
 from megatrain_jax.config.schema import Config
 from megatrain_jax.planning.memory import GiB, whole
+from megatrain_jax.planning.staging import staging_pinned_bytes
 
 
 def pooled(cfg: Config, host: dict):
@@ -44,6 +45,13 @@ def pool_share(cfg: Config, pinned, devices: int):
     and every weight matrix has the model's width as one; leaves too small to split fit in
     the margin), else the whole (a replica each)."""
     return pinned // devices if cfg.model.hidden % devices == 0 else pinned
+
+
+def held(cfg: Config, pinned, devices: int, saving: bool = True):
+    """Bytes all GPUs' pools hold for a resolved cfg with `pinned` bytes of host state: that
+    and, in a run that saves (not `export` or `sample`), each GPU's share of the save's
+    capture (planning/staging.py), for which `train` raises each cap."""
+    return pinned + devices * (staging_pinned_bytes(cfg, devices) if saving else 0)
 
 
 def pool_gib(cfg: Config, pinned, devices: int, extra: int = 0):

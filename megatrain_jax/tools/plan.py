@@ -34,7 +34,7 @@ from megatrain_jax.planning.probe import (
     planned_devices,
 )
 from megatrain_jax.planning.roofline import Rates, gradient_bytes, host_params, update_bytes
-from megatrain_jax.planning.staging import checkpoint_bytes, staging_pinned_bytes
+from megatrain_jax.planning.staging import checkpoint_bytes
 
 RUNTIME, POOL_BOOKKEEPING, POOL_MARGIN = pool.RUNTIME, pool.POOL_BOOKKEEPING, pool.POOL_MARGIN
 STATE = ("master_weights", "optimizer_state", "gradients", "saved_inputs")
@@ -339,8 +339,7 @@ def set_pool_env(cfg: Config, measuring: bool = False, processes: int = 1) -> No
     optimizer state only the host update reads lives beside the pool, on a CPU device a GPU
     (stream/placement.py): one process makes a CPU device for each; several keep it pinned."""
     devices, est = planned_devices(cfg), estimate(cfg)
-    saving = planner.is_resolved(cfg)  # else no run: export and sample save nothing
-    held = est["pool_state"] + devices * (staging_pinned_bytes(cfg, devices) if saving else 0)
+    held = pool.held(cfg, est["pool_state"], devices, planner.is_resolved(cfg))
     if processes > 1:
         held += sum(est["host"][k] for k in STATE) - est["pool_state"]
     probe.set_cpu_devices(devices if processes == 1 else 1)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from megatrain_jax.config import ConfigError, load_config
-from megatrain_jax.planning import memory, planner, presets, roofline, staging
+from megatrain_jax.planning import memory, planner, pool, presets, roofline, staging
 from megatrain_jax.planning.memory_lines import describe, placement_lines
 from megatrain_jax.tools import plan
 from megatrain_jax.tools.plan_time import param_count, time_lines
@@ -63,10 +63,11 @@ def _print_memory(given, cfg, est: dict, gpu: int | None, host: int | None) -> N
                 print(f"  {name:22s}{_gib(n)}")
         print(f"  {'total':22s}{_gib(est[where + '_total'])}")
     if cfg.loop.trainer == "stream":
-        cap = plan.pool_limit_gib(cfg, est["pool_state"])
-        held = ("above but the optimizer_state, in plain host memory" if plan.host_update(cfg)
-                else "above")
-        print(f"  pinned host pool      {_gib(plan.pinned_pool_bytes(cfg))}  (holds the host "
+        cap = plan.pool_limit_gib(cfg, pool.held(cfg, est["pool_state"], est["devices"]))
+        held = ("above (but the optimizer_state, in plain host memory)" if
+                plan.host_update(cfg) else "above") + (
+                    " and the save's staging" if est["host"]["save_staging"] else "")
+        print(f"  pinned host pool      {_gib(est['devices'] * cap * GiB)}  (holds the host "
               f"state {held}; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={cap} a GPU, set by `train`)")
         modes = plan.host_bytes_per_param(given, gpu, host)  # each placed anew
         if len(modes) > 1:

@@ -4,7 +4,7 @@ the runtimes).
 
     host = memory.host_state_bytes(cfg, plan)        # {component: bytes} on the host
     pinned = pooled(cfg, host)                       # those bytes in XLA's pinned pool
-    cap = pool_gib(cfg, pinned, devices=1)           # XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+    cap = pool_gib(cfg, holds(cfg, pinned, 1), 1)    # XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
     overhead = host_overhead(cfg, pinned, 1, sum(host.values()) - pinned)
 """
 
@@ -47,7 +47,7 @@ def pool_share(cfg: Config, pinned, devices: int):
     return pinned // devices if cfg.model.hidden % devices == 0 else pinned
 
 
-def held(cfg: Config, pinned, devices: int, saving: bool = True):
+def holds(cfg: Config, pinned, devices: int, saving: bool = True):
     """Bytes all GPUs' pools hold for a resolved cfg with `pinned` bytes of host state: that
     and, in a run that saves (not `export` or `sample`), each GPU's share of the save's
     capture (planning/staging.py), for which `train` raises each cap."""

@@ -339,7 +339,7 @@ def set_pool_env(cfg: Config, measuring: bool = False, processes: int = 1) -> No
     optimizer state only the host update reads lives beside the pool, on a CPU device a GPU
     (stream/placement.py): one process makes a CPU device for each; several keep it pinned."""
     devices, est = planned_devices(cfg), estimate(cfg)
-    held = pool.held(cfg, est["pool_state"], devices, planner.is_resolved(cfg))
+    held = pool.holds(cfg, est["pool_state"], devices, planner.is_resolved(cfg))
     if processes > 1:
         held += sum(est["host"][k] for k in STATE) - est["pool_state"]
     probe.set_cpu_devices(devices if processes == 1 else 1)

@@ -63,7 +63,7 @@ def _print_memory(given, cfg, est: dict, gpu: int | None, host: int | None) -> N
                 print(f"  {name:22s}{_gib(n)}")
         print(f"  {'total':22s}{_gib(est[where + '_total'])}")
     if cfg.loop.trainer == "stream":
-        cap = plan.pool_limit_gib(cfg, pool.held(cfg, est["pool_state"], est["devices"]))
+        cap = plan.pool_limit_gib(cfg, pool.holds(cfg, est["pool_state"], est["devices"]))
         held = ("above (but the optimizer_state, in plain host memory)" if
                 plan.host_update(cfg) else "above") + (
                     " and the save's staging" if est["host"]["save_staging"] else "")

@@ -107,11 +107,12 @@ def shard_templates(templates, mesh: Mesh):
     return dataclasses.replace(t, embed=embed, layer=layer, head_loss=head_loss)
 
 
-def cpu_stand_ins(mesh: Mesh | None, device: jax.Device) -> list | None:
+def cpu_stand_ins(mesh: Mesh | None, device: jax.Device) -> "Mesh | jax.Device | None":
     """The CPU devices that stand for the GPUs of `mesh` (or `device`) in the host's plain
-    memory (placement.py's `plain_state`), in the mesh's order: the k-th CPU device for the
-    k-th local GPU (on a CPU, the devices themselves). None where the CPU client has too few
-    (a mesh of N needs N: planning/probe.set_cpu_devices) or several processes run."""
+    memory (placement.py's `plain_state`): a mesh of them shaped as `mesh`, the k-th CPU
+    device for the k-th local GPU (on a CPU, the devices themselves), or the one for
+    `device`. None where the CPU client has too few (a mesh of N needs N:
+    planning/probe.set_cpu_devices) or several processes run."""
     try:
         cpus = jax.local_devices(backend="cpu")
     except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu)
@@ -120,7 +121,12 @@ def cpu_stand_ins(mesh: Mesh | None, device: jax.Device) -> list | None:
     if jax.process_count() > 1:
         return None
     if device.platform == "cpu":  # the devices themselves
-        return wanted
-    local = jax.local_devices(backend=device.platform)
-    index = [local.index(d) for d in wanted]
-    return [cpus[i] for i in index] if max(index) < len(cpus) else None
+        stand_ins = wanted
+    else:
+        index = [jax.local_devices(backend=device.platform).index(d) for d in wanted]
+        if max(index) >= len(cpus):
+            return None
+        stand_ins = [cpus[i] for i in index]
+    if mesh is None:
+        return stand_ins[0]
+    return Mesh(np.array(stand_ins).reshape(mesh.devices.shape), mesh.axis_names)

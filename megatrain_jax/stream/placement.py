@@ -100,19 +100,18 @@ class Placement:
         self.devices = 1 if self.mesh is None else self.mesh.size
         self.device = (self.mesh.devices.flat[0] if self.mesh is not None
                        else device or jax.devices()[0])
-        self.plain_devices = cpu_stand_ins(self.mesh, self.device) if plain_state else None
+        self.plain_home = cpu_stand_ins(self.mesh, self.device) if plain_state else None
 
     # ----- shardings -----------------------------------------------------------------------
 
     def sharding(self, shape: tuple, kind: str = HOST_KIND) -> Sharding:
         """Where a state leaf of `shape` lives in memory `kind` (each device's shard of it; in
         PLAIN_KIND on the CPU devices standing for the GPUs, stream/mesh.cpu_stand_ins)."""
-        devices = self.plain_devices if kind == PLAIN_KIND else None
-        if self.mesh is None:
-            return SingleDeviceSharding(devices[0] if devices else self.device, memory_kind=kind)
-        mesh = self.mesh if devices is None else Mesh(
-            np.array(devices).reshape(self.mesh.devices.shape), self.mesh.axis_names)
-        return NamedSharding(mesh, state_spec(tuple(shape), self.devices), memory_kind=kind)
+        home = self.plain_home if kind == PLAIN_KIND and self.plain_home is not None else (
+            self.device if self.mesh is None else self.mesh)
+        if isinstance(home, Mesh):
+            return NamedSharding(home, state_spec(tuple(shape), self.devices), memory_kind=kind)
+        return SingleDeviceSharding(home, memory_kind=kind)
 
     def shardings(self, tree, kind: str = HOST_KIND):
         return jax.tree.map(lambda a: self.sharding(jnp.shape(a), kind), tree)
@@ -158,7 +157,7 @@ class Placement:
     def state_home(self, index: int) -> str:
         """The memory kind of the optimizer state of the part at streaming `index`: the part's,
         or PLAIN_KIND for a host part with `plain_state` (its CPU stand-ins found)."""
-        plain = self.plain_devices is not None and not self.is_resident(index)
+        plain = self.plain_home is not None and not self.is_resident(index)
         return PLAIN_KIND if plain else self.home(index)
 
     def check(self, num_layers: int) -> None:

@@ -47,7 +47,7 @@ def cmd_train(args) -> int:
     plan.check_fits(cfg)
     cfg = plan.resolved(cfg)  # the placement, decided once: the engine takes its numbers
     if cfg.loop.trainer == "stream":
-        plan.set_pool_env(cfg, processes=2 if processes is not None else 1)
+        plan.set_pool_env(cfg, several_processes=processes is not None)
     if cfg.loop.deterministic:
         from megatrain_jax.train.deterministic import set_env
 

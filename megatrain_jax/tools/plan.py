@@ -333,16 +333,16 @@ def _state_overflows(cfg: Config, host: int | None, gpu: int | None) -> bool:
     return checkpoint_bytes(cfg) > planned_devices(cfg) * (host + gpu)
 
 
-def set_pool_env(cfg: Config, measuring: bool = False, processes: int = 1) -> None:
+def set_pool_env(cfg: Config, measuring: bool = False, several_processes: bool = False) -> None:
     """Sizes XLA's pinned host pool (the host state and a save's capture of the GPU's) and the
     GPU's share for a resolved cfg before JAX starts; a value in the environment wins. The
     optimizer state only the host update reads lives beside the pool, on a CPU device a GPU
     (stream/placement.py): one process makes a CPU device for each; several keep it pinned."""
     devices, est = planned_devices(cfg), estimate(cfg)
     held = pool.holds(cfg, est["pool_state"], devices, planner.is_resolved(cfg))
-    if processes > 1:
+    if several_processes:
         held += sum(est["host"][k] for k in STATE) - est["pool_state"]
-    probe.set_cpu_devices(devices if processes == 1 else 1)
+    probe.set_cpu_devices(1 if several_processes else devices)
     os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
                           str(pool_limit_gib(cfg, held, measuring)))
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_FRACTION))
